@@ -1,0 +1,98 @@
+"""Text <-> token ids through HF `tokenizers`, reading a model directory's tokenizer.json.
+
+`Tokenizer.from_model("tiny")` loads the byte-level BPE that ships inside the package
+(paged_jax/assets/tokenizer.json, built by scripts/build_tokenizer.py), so the default model
+runs on a fresh machine without downloads. Imports no jax.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+EMBEDDED_MODELS = ("tiny",)
+# Names the common Llama-family tokenizers use, for directories without tokenizer_config.json.
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>")
+_EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>")
+
+
+def _token_name(value) -> str | None:
+    # tokenizer_config.json writes special tokens as a string or as {"content": ...}.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+class Tokenizer:
+    """A thin wrapper with the few things the engine needs.
+
+    Attributes:
+      bos_token_id: id put in front of every encoding (None when the tokenizer has none).
+      eos_token_id: the end-of-sequence id generation stops on (None when unknown).
+      eos_token_ids: every id generation_config.json lists as a stop (Llama 3 instruct has
+        several); always contains eos_token_id when it is set.
+      vocab_size: number of ids, added/special tokens included.
+    """
+
+    def __init__(self, hf_tokenizer: _HFTokenizer, config: dict | None = None, generation_config: dict | None = None):
+        self._tok = hf_tokenizer
+        config = config or {}
+        generation_config = generation_config or {}
+        self.bos_token_id = self._find_id(_token_name(config.get("bos_token")), _BOS_NAMES)
+        self.eos_token_id = self._find_id(_token_name(config.get("eos_token")), _EOS_NAMES)
+        extra = generation_config.get("eos_token_id")
+        extra = [] if extra is None else [extra] if isinstance(extra, int) else list(extra)
+        if self.eos_token_id is None and extra:
+            self.eos_token_id = int(extra[0])
+        ids = [self.eos_token_id] if self.eos_token_id is not None else []
+        self.eos_token_ids = tuple(dict.fromkeys(ids + [int(i) for i in extra]))
+        # Llama 1/2 configs say add_bos_token; Llama 3 adds BOS in its post-processor instead.
+        self._add_bos = bool(config.get("add_bos_token", True)) and self.bos_token_id is not None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def _find_id(self, configured: str | None, fallbacks: tuple[str, ...]) -> int | None:
+        for name in ((configured,) if configured else ()) + fallbacks:
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        return None
+
+    @classmethod
+    def from_model(cls, model: str | Path) -> "Tokenizer":
+        """Loads the tokenizer of `model`: an embedded name ("tiny"), a model directory
+        holding tokenizer.json (plus optional tokenizer_config.json and
+        generation_config.json), or a tokenizer.json file."""
+        if isinstance(model, str) and model in EMBEDDED_MODELS:
+            text = resources.files("paged_jax").joinpath("assets", "tokenizer.json").read_text(encoding="utf-8")
+            return cls(_HFTokenizer.from_str(text))
+        path = Path(model)
+        if path.is_file():
+            return cls(_HFTokenizer.from_file(str(path)))
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(
+                f"no tokenizer.json in {str(path)!r}: pass a model directory that has one "
+                f"(HF 'fast' tokenizer format) or one of the embedded models {EMBEDDED_MODELS}"
+            )
+        return cls(
+            _HFTokenizer.from_file(str(path / "tokenizer.json")),
+            _read_json(path / "tokenizer_config.json"),
+            _read_json(path / "generation_config.json"),
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Returns the ids of `text`, starting with BOS when the tokenizer has one."""
+        ids = self._tok.encode(text, add_special_tokens=True).ids
+        if self._add_bos and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        """Returns the text of `token_ids` (special tokens dropped unless asked for)."""
+        return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
