@@ -1,0 +1,76 @@
+"""On-device sampling: greedy, temperature, top-k, top-p (nucleus) and per-request keys.
+
+Every parameter is per row, so one jitted function with fixed shapes serves any mix of
+requests. The runner calls `sample` inside its jitted step; the keys come from the host
+(batch.py derives them from the request's seed and its number of output tokens, so a
+seeded request draws the same tokens whatever batch it lands in and after preemption).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Temperatures below this are greedy, as in vLLM (dividing by ~0 would overflow the logits).
+SAMPLING_EPS = 1e-5
+
+
+def _top_k_top_p(scaled, top_k, top_p):
+    """Masks (to -inf) every logit outside the row's top-k, then outside its nucleus.
+
+    Args:
+      scaled: f32[S, V] temperature-scaled logits.
+      top_k: i32[S]; <= 0 or >= V keeps everything.
+      top_p: f32[S] in (0, 1]; 1 keeps everything.
+    Returns:
+      f32[S, V] with the dropped logits at -inf. Ties with the last kept value are kept.
+    """
+    vocab = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+    rank = jnp.arange(vocab, dtype=jnp.int32)[None, :]
+    in_top_k = rank < k[:, None]
+    # top-p works on the distribution renormalised over the top-k (vLLM's order):
+    # a token is kept while the mass ranked strictly above it is still below p.
+    probs = jax.nn.softmax(jnp.where(in_top_k, sorted_desc, -jnp.inf), axis=-1)
+    mass_above = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_top_k & (mass_above < top_p[:, None])
+    num_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)  # keep is a prefix; the top token always stays
+    threshold = jnp.take_along_axis(sorted_desc, (num_keep - 1)[:, None], axis=-1)
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def _sample_random(logits, temperature, top_k, top_p, rng_keys):
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, SAMPLING_EPS)[:, None]
+    needs_filter = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    # cond, not where: the full-vocab sort runs only on steps where some row filters.
+    scaled = jax.lax.cond(needs_filter, _top_k_top_p, lambda s, k, p: s, scaled, top_k, top_p)
+    keys = jax.random.wrap_key_data(rng_keys.astype(jnp.uint32), impl="threefry2x32")
+    return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+
+
+def sample(logits, temperature, top_k, top_p, rng_keys):
+    """Draws one token per row.
+
+    Args:
+      logits: f32[S, V] (any float dtype; computed in f32).
+      temperature: f32[S]; < 1e-5 means greedy (argmax).
+      top_k: i32[S]; -1 or 0 disables.
+      top_p: f32[S] in (0, 1]; 1.0 disables.
+      rng_keys: u32[S, 2] threefry key data per row.
+    Returns:
+      (token_ids i32[S], logprobs f32[S]): the sampled tokens and their log-probabilities
+      under the unprocessed distribution log_softmax(logits) (vLLM's default "raw" logprobs).
+    """
+    logits = logits.astype(jnp.float32)
+    temperature = temperature.astype(jnp.float32)
+    is_greedy = temperature < SAMPLING_EPS
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    token_ids = jax.lax.cond(
+        jnp.all(is_greedy),
+        lambda: greedy,  # all-greedy steps skip the random draw entirely
+        lambda: jnp.where(is_greedy, greedy, _sample_random(logits, temperature, top_k, top_p.astype(jnp.float32), rng_keys)),
+    )
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), token_ids[:, None], axis=-1)[:, 0]
+    return token_ids, logprobs
