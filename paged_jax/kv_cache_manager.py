@@ -1,0 +1,318 @@
+"""KVCacheManager: which blocks hold each request's tokens; prefix-cache lookups and stats.
+
+The scheduler's view of the KV cache (vLLM v1 names and semantics, one full-attention
+group). Per step a waiting request goes get_computed_blocks -> allocate_slots(hits) and a
+running one allocate_slots(num_new_tokens); a finished or preempted one goes to free().
+Running out of blocks is not an error: allocate_slots returns None and changes nothing,
+and the scheduler decides (wait, or preempt someone). Imports no jax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paged_jax.block_pool import BlockPool
+from paged_jax.hashing import BlockHasher, get_hash_fn_by_name
+from paged_jax.kv_cache_block import KVCacheBlock
+from paged_jax.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last make_prefix_cache_stats() (vLLM's PrefixCacheStats).
+
+    Lookups of preempted requests (resuming with most of their own blocks) are counted
+    apart, so they do not inflate the hit rate of fresh requests.
+    """
+
+    reset: bool = False  # the cache was reset in this interval
+    requests: int = 0
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+def _is_power_of_two(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+class KVCacheManager:
+    """Block tables of all live requests over one BlockPool.
+
+    Args:
+      num_blocks: blocks in the cache, including the null block 0 (num_blocks - 1 usable).
+      block_size: tokens per block (a power of two).
+      max_model_len: longest sequence (prompt + output) a request may reach; slots beyond
+        it are never allocated.
+      enable_caching: reuse full blocks across requests via their chain hashes.
+      hash_algo: "sha256" (canonical CBOR, default) or "xxhash" (xxh3-128).
+
+    State: req_to_blocks[request_id] is the request's block table (append-only while it
+    lives); num_cached_block[request_id] counts its leading blocks already in the cache.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
+                 enable_caching: bool = True, hash_algo: str = "sha256"):
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
+            raise ValueError(
+                f"num_blocks={num_blocks!r} must be an int >= 2 (block 0 is the null block); give the cache more blocks"
+            )
+        if not _is_power_of_two(block_size):
+            raise ValueError(f"block_size={block_size!r} must be a power of two (e.g. 16)")
+        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 1:
+            raise ValueError(f"max_model_len={max_model_len!r} must be an int >= 1")
+        self.hash_fn = get_hash_fn_by_name(hash_algo)
+        self.hash_algo = hash_algo
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = bool(enable_caching)
+        self.max_num_blocks_per_req = -(-max_model_len // block_size)
+        self.block_pool = BlockPool(num_blocks, self.enable_caching)
+        # Attached to every request this manager sees; with caching off it hashes nothing.
+        self.block_hasher = BlockHasher(block_size, self.hash_fn, enabled=self.enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self, request: Request) -> None:
+        """Checks and hasher set-up for a request reaching the manager (cheap to repeat)."""
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens, more than "
+                f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        hasher = request.block_hasher
+        if hasher is self.block_hasher:
+            return
+        if self.block_hasher.is_compatible(hasher):
+            request.block_hasher = self.block_hasher  # same hashes; swap so the `is` check passes
+            return
+        if hasher is None or not request.block_hashes:
+            request.block_hashes.clear()
+            request.set_block_hasher(self.block_hasher)
+            return
+        raise ValueError(
+            f"request {request.request_id!r} was hashed with block_size={hasher.block_size} by another hasher; "
+            f"create it with block_hasher=None or with this manager's block_hasher"
+        )
+
+    # ------------------------------------------------------------------ lookup
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of request's full blocks; changes nothing but the stats.
+
+        Walks the request's block hashes from block 0 and stops at the first miss. Uses at
+        most (num_tokens - 1) // block_size blocks: the last token must be computed to
+        produce logits, so a fully cached prompt still recomputes its last block.
+
+        Returns:
+          (hit blocks in order, number of hit tokens = len(blocks) * block_size).
+        """
+        self._admit(request)
+        if not self.enable_caching:
+            return [], 0
+        num_tokens = request.num_tokens
+        max_num_blocks = (num_tokens - 1) // self.block_size
+        blocks = self.block_pool.cached_block_hash_to_block.get_prefix_blocks(request.block_hashes, max_num_blocks)
+        num_hit_tokens = len(blocks) * self.block_size
+        self.prefix_cache_stats.record(num_tokens, num_hit_tokens, request.num_preemptions > 0)
+        return blocks, num_hit_tokens
+
+    # ------------------------------------------------------------------ allocation
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
+                                   new_computed_blocks: list[KVCacheBlock] = ()) -> int:
+        """Free blocks needed to hold num_tokens tokens of the request.
+
+        Hit blocks with ref_cnt 0 count as needed: touching them takes them out of the free
+        queue just like an allocation does.
+        """
+        num_required_blocks = -(-num_tokens // self.block_size)
+        num_held = len(self.req_to_blocks.get(request_id, ()))
+        num_new_blocks = num_required_blocks - len(new_computed_blocks) - num_held
+        num_evictable_computed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return num_new_blocks + num_evictable_computed
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
+        """Make room for num_new_tokens more tokens of request; all or nothing.
+
+        Token layout of the request after this call:
+
+          | computed | new_computed | new | lookahead |
+          computed      request.num_computed_tokens, already in its blocks
+          new_computed  prefix-cache hits (new_computed_blocks), for a request holding none
+          new           tokens to compute this step
+          lookahead     slots reserved for speculative tokens (allocated, never cached)
+
+        Slots are capped at max_model_len. Hit blocks are touched before new blocks are
+        taken, so the allocation never evicts the request's own hits. Full blocks among
+        computed + new_computed + new are cached.
+
+        Args:
+          request: the request (its hasher is attached on first sight).
+          num_new_tokens: tokens to compute this step (>= 0).
+          num_new_computed_tokens: tokens covered by new_computed_blocks (>= 0).
+          new_computed_blocks: blocks from get_computed_blocks, or None.
+          num_lookahead_tokens: extra slots for speculative decoding (>= 0).
+        Returns:
+          The newly allocated blocks (possibly []), or None when they do not fit, in which
+          case nothing changed.
+        """
+        if request.block_hasher is not self.block_hasher:
+            self._admit(request)
+        if (num_new_tokens | num_new_computed_tokens | num_lookahead_tokens) < 0:
+            raise ValueError(
+                f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
+                f"num_new_computed_tokens={num_new_computed_tokens}, num_lookahead_tokens={num_lookahead_tokens}"
+            )
+        block_size = self.block_size
+        request_id = request.request_id
+        req_blocks = self.req_to_blocks.get(request_id)
+        num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if num_tokens_need_slot > self.max_model_len:
+            num_tokens_need_slot = self.max_model_len
+        num_required_blocks = -(-num_tokens_need_slot // block_size)
+        pool = self.block_pool
+
+        if new_computed_blocks or req_blocks is None:
+            # first allocation of this request (or of its resumption after preemption)
+            if req_blocks is None:
+                self._admit(request)
+            new_computed_blocks = self._check_computed_blocks(request, req_blocks, new_computed_blocks)
+            num_blocks_to_allocate = self.get_num_blocks_to_allocate(
+                request_id, num_tokens_need_slot, new_computed_blocks)
+            if num_blocks_to_allocate > pool.free_block_queue.num_free_blocks:
+                return None
+            if req_blocks is None:
+                req_blocks = self.req_to_blocks[request_id] = []
+            if new_computed_blocks:
+                pool.touch(new_computed_blocks)
+                req_blocks.extend(new_computed_blocks)
+                self.num_cached_block[request_id] = len(new_computed_blocks)
+
+        # decode fast path: usually the last block still has room
+        num_new_blocks = num_required_blocks - len(req_blocks)
+        if num_new_blocks > 0:
+            if num_new_blocks > pool.free_block_queue.num_free_blocks:
+                return None
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+        else:
+            new_blocks = []
+
+        if self.enable_caching:
+            # Lookahead slots hold unverified tokens: never cache them.
+            num_tokens_to_cache = num_computed_tokens + num_new_tokens
+            num_tokens = len(request.all_token_ids)
+            if num_tokens_to_cache > num_tokens:
+                num_tokens_to_cache = num_tokens
+            num_full_blocks = num_tokens_to_cache // block_size
+            num_cached_blocks = self.num_cached_block.get(request_id, 0)
+            if num_full_blocks > num_cached_blocks:
+                pool.cache_full_blocks(request, req_blocks, num_cached_blocks, num_full_blocks, block_size)
+                self.num_cached_block[request_id] = num_full_blocks
+        return new_blocks
+
+    def _check_computed_blocks(self, request: Request, req_blocks, new_computed_blocks) -> list[KVCacheBlock]:
+        if new_computed_blocks is None:
+            return []
+        # A vLLM KVCacheBlocks (one group) also works: take its block list.
+        blocks = getattr(new_computed_blocks, "blocks", new_computed_blocks)
+        if isinstance(blocks, tuple) and blocks and isinstance(blocks[0], list):
+            blocks = blocks[0]
+        blocks = list(blocks)
+        if blocks and not self.enable_caching:
+            raise ValueError("new_computed_blocks given but prefix caching is disabled; pass None")
+        if blocks and req_blocks:
+            raise ValueError(
+                f"request {request.request_id!r} already holds blocks; new_computed_blocks are only for a "
+                f"request's first allocation (after get_computed_blocks)"
+            )
+        return blocks
+
+    # ------------------------------------------------------------------ release
+    def free(self, request: Request) -> None:
+        """Return the request's blocks, tail first (its last blocks are evicted first).
+
+        A no-op for a request that holds nothing.
+        """
+        request_id = request.request_id
+        req_blocks = self.req_to_blocks.pop(request_id, None)
+        self.num_cached_block.pop(request_id, None)
+        if req_blocks:
+            self.block_pool.free_blocks(req_blocks[::-1])
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached hashes; False while any request holds blocks."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        self.prefix_cache_stats.reset = True
+        return True
+
+    # ------------------------------------------------------------------ queries
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as ids ([] for a request holding nothing)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        return list(self.req_to_blocks.get(request_id, ()))
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.free_block_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks in use (0.0 .. 1.0)."""
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats:
+        """Stats since the last call; starts a new interval."""
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def check_invariants(self, requests: dict[str, Request] | None = None) -> None:
+        """Assert the pool's invariants plus the manager's; messages name the bug.
+
+        Args:
+          requests: live requests by id, when known: their cached blocks must carry their
+            block hashes.
+        """
+        holders: dict[int, int] = {}
+        for request_id, blocks in self.req_to_blocks.items():
+            ids = [b.block_id for b in blocks]
+            assert len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice: {ids}"
+            assert 0 not in ids, f"request {request_id!r} holds the null block"
+            for i in ids:
+                holders[i] = holders.get(i, 0) + 1
+        self.block_pool.check_invariants(holders)
+        assert set(self.num_cached_block) <= set(self.req_to_blocks), "num_cached_block outlives a freed request"
+        for request_id, num_cached in self.num_cached_block.items():
+            blocks = self.req_to_blocks[request_id]
+            assert num_cached <= len(blocks), f"request {request_id!r} has more cached blocks than blocks"
+            for b in blocks[:num_cached]:
+                assert b.block_hash is not None, f"request {request_id!r}: counted-as-cached block {b.block_id} has no hash"
+            if requests is not None and request_id in requests:
+                hashes = requests[request_id].block_hashes
+                for i, b in enumerate(blocks[:num_cached]):
+                    assert b.block_hash == hashes[i], (
+                        f"request {request_id!r} block {i} (id {b.block_id}) is cached under another prefix's hash"
+                    )
