@@ -1,0 +1,186 @@
+"""Llama building blocks in Flax NNX: RMSNorm, RoPE, GQA attention (paged and dense), SwiGLU MLP.
+
+Weights are kept in einsum-friendly layouts (HF stores linear weights [out, in]; the loader
+transposes once at load time):
+
+Einsum legend:
+  B  batch                      T  query tokens
+  S  key/value tokens           D  hidden (model) dim
+  N  query heads                K  key/value heads
+  G  query heads per kv head    H  head dim
+  F  MLP hidden dim             V  vocabulary
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.config import Llama3RopeScaling, LlamaConfig
+from pallas_kernels.kv_cache_write import write_kv_cache
+from pallas_kernels.paged_attention import ragged_paged_attention
+
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def _normal(rngs: nnx.Rngs, shape, fan_in: int, dtype: str) -> nnx.Param:
+    # Variance 1/fan_in keeps activations O(1) through random models, so tests compare
+    # logits that are far from zero rather than a sea of near-ties.
+    w = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
+    return nnx.Param(w.astype(dtype))
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * weight, the mean square accumulated in float32 (HF LlamaRMSNorm numerics)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype: str, dtype: str):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))  # [D]
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return x32.astype(self.dtype) * self.weight[...].astype(self.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def rope_inv_freq(head_dim: int, rope_theta: float, rope_scaling: Llama3RopeScaling | None) -> np.ndarray:
+    """f32[head_dim // 2] inverse frequencies, computed as transformers does (float32 base powers).
+
+    Llama-3 scaling keeps high frequencies, divides low ones by factor and interpolates
+    between, so the model extrapolates past original_max_position_embeddings.
+    """
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (np.float32(1.0) / (np.float32(rope_theta) ** exponents)).astype(np.float32)
+    if rope_scaling is None:
+        return inv_freq
+    s = rope_scaling
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotate x[..., T, heads, H] by its positions[..., T] in the non-interleaved layout.
+
+    HF's rotate_half pairs dim i with dim i + H/2 (not 2i with 2i+1): the loader keeps
+    checkpoint weights as they are, so the rotation has to match that layout.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., T, H/2]
+    cos = jnp.cos(angles)[..., None, :]  # [..., T, 1, H/2]
+    sin = jnp.sin(angles)[..., None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention: N query heads share K kv heads in groups of G = N / K."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        c = config
+        d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        self.config = c
+        self.q_proj = _normal(rngs, (d, n, h), d, c.param_dtype)  # [D, N, H]
+        self.k_proj = _normal(rngs, (d, k, h), d, c.param_dtype)  # [D, K, H]
+        self.v_proj = _normal(rngs, (d, k, h), d, c.param_dtype)  # [D, K, H]
+        self.o_proj = _normal(rngs, (n, h, d), n * h, c.param_dtype)  # [N, H, D]
+
+    def _qkv(self, x, positions):
+        dt = self.config.dtype
+        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
+        q = jnp.einsum("...D,DNH->...NH", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("...D,DKH->...KH", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("...D,DKH->...KH", x, self.v_proj[...].astype(dt))
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def _out(self, attn):
+        return jnp.einsum("...NH,NHD->...D", attn, self.o_proj[...].astype(self.config.dtype))
+
+    def __call__(self, x, positions, kv_cache, attn_metadata, *, impl: str, interpret: bool):
+        """Paged attention over a ragged batch.
+
+        Args:
+          x: [T, D] hidden states of this step's tokens (all sequences concatenated).
+          positions: i32[T].
+          kv_cache: (k_cache, v_cache), each [num_blocks, block_size, K, H].
+          attn_metadata: slot_mapping i32[T], block_tables i32[S, W], seq_lens i32[S],
+            query_start_loc i32[S + 1], num_seqs i32[1] (a StepInputs).
+        Returns:
+          ([T, D], (k_cache, v_cache)) with this step's keys and values written into the caches.
+        """
+        q, k, v = self._qkv(x, positions)  # [T, N, H], [T, K, H], [T, K, H]
+        k_cache, v_cache = kv_cache
+        k_cache, v_cache = write_kv_cache(k.astype(k_cache.dtype), v.astype(v_cache.dtype),
+                                          k_cache, v_cache, attn_metadata.slot_mapping)
+        # The kernels take one dtype: a bf16 cache under an f32 model reads bf16 queries.
+        attn = ragged_paged_attention(
+            q.astype(k_cache.dtype), k_cache, v_cache, attn_metadata.block_tables, attn_metadata.seq_lens,
+            attn_metadata.query_start_loc, attn_metadata.num_seqs,
+            sm_scale=self.config.head_dim ** -0.5, impl=impl, interpret=interpret)
+        return self._out(attn.astype(self.config.dtype)), (k_cache, v_cache)
+
+    def dense(self, x, positions):
+        """Full causal attention without a cache: x [B, T, D], positions i32[B, T] -> [B, T, D]."""
+        c = self.config
+        q, k, v = self._qkv(x, positions)  # [B, T, N, H], [B, S, K, H], [B, S, K, H] (S = T)
+        b, t = q.shape[:2]
+        q = q.reshape(b, t, c.num_kv_heads, c.num_queries_per_kv, c.head_dim)  # [B, T, K, G, H]
+        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (c.head_dim ** -0.5)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores, _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        attn = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+        return self._out(attn.reshape(b, t, c.num_heads, c.head_dim))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        d, f, pd = config.hidden_size, config.intermediate_size, config.param_dtype
+        self.dtype = config.dtype
+        self.gate_proj = _normal(rngs, (d, f), d, pd)  # [D, F]
+        self.up_proj = _normal(rngs, (d, f), d, pd)  # [D, F]
+        self.down_proj = _normal(rngs, (f, d), f, pd)  # [F, D]
+
+    def __call__(self, x):
+        dt = self.dtype
+        gate = jnp.einsum("...D,DF->...F", x, self.gate_proj[...].astype(dt))
+        up = jnp.einsum("...D,DF->...F", x, self.up_proj[...].astype(dt))
+        return jnp.einsum("...F,FD->...D", jax.nn.silu(gate) * up, self.down_proj[...].astype(dt))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
+        self.self_attn = Attention(c, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps,
+                                                param_dtype=c.param_dtype, dtype=c.dtype)
+        self.mlp = MLP(c, rngs=rngs)
+
+    def __call__(self, x, positions, kv_cache, attn_metadata, *, impl: str, interpret: bool):
+        attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn_metadata,
+                                        impl=impl, interpret=interpret)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+    def dense(self, x, positions):
+        x = x + self.self_attn.dense(self.input_layernorm(x), positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
