@@ -1,0 +1,145 @@
+"""HF Llama checkpoint directory (config.json + safetensors) <-> LlamaForCausalLM.
+
+Tensors are streamed one at a time with safetensors' safe_open(framework="flax"): numpy has
+no bfloat16, so framework="np" cannot read bf16 checkpoints. The model skeleton is built with
+nnx.eval_shape (no random init, no memory) and each parameter is filled as its tensor is read.
+HF stores linear weights [out, in]; this model keeps einsum layouts ([D, N, H], [D, F], ...),
+so every tensor goes through the one transform listed for it in `_hf_layout`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from flax import nnx
+from safetensors import safe_open
+from safetensors.flax import save_file
+
+from models.config import LlamaConfig
+from models.llama import LlamaForCausalLM
+
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def _hf_layout(c: LlamaConfig) -> dict[str, tuple[tuple[int, ...], Callable, Callable, Callable]]:
+    """HF tensor name -> (HF shape, model param getter, from_hf transform, to_hf transform)."""
+    d, f, v = c.hidden_size, c.intermediate_size, c.vocab_size
+    n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
+    same = lambda w: w  # noqa: E731
+    t = lambda w: w.T  # noqa: E731
+
+    def heads_in(num):  # [num*H, D] -> [D, num, H]
+        return lambda w: w.reshape(num, h, d).transpose(2, 0, 1)
+
+    def heads_out(w):  # [D, num, H] -> [num*H, D]
+        return w.transpose(1, 2, 0).reshape(-1, d)
+
+    layout = {"model.embed_tokens.weight": ((v, d), lambda m: m.embed_tokens, same, same),
+              "model.norm.weight": ((d,), lambda m: m.norm.weight, same, same)}
+    if not c.tie_word_embeddings:
+        layout["lm_head.weight"] = ((v, d), lambda m: m.lm_head, same, same)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        layer = lambda m, i=i: m.layers[i]  # noqa: E731
+        layout |= {
+            p + "input_layernorm.weight": ((d,), lambda m, g=layer: g(m).input_layernorm.weight, same, same),
+            p + "post_attention_layernorm.weight":
+                ((d,), lambda m, g=layer: g(m).post_attention_layernorm.weight, same, same),
+            p + "self_attn.q_proj.weight": ((n * h, d), lambda m, g=layer: g(m).self_attn.q_proj,
+                                            heads_in(n), heads_out),
+            p + "self_attn.k_proj.weight": ((k * h, d), lambda m, g=layer: g(m).self_attn.k_proj,
+                                            heads_in(k), heads_out),
+            p + "self_attn.v_proj.weight": ((k * h, d), lambda m, g=layer: g(m).self_attn.v_proj,
+                                            heads_in(k), heads_out),
+            # [D, N*H] -> [N, H, D]
+            p + "self_attn.o_proj.weight": ((d, n * h), lambda m, g=layer: g(m).self_attn.o_proj,
+                                            lambda w: w.reshape(d, n, h).transpose(1, 2, 0),
+                                            lambda w: w.transpose(2, 0, 1).reshape(d, n * h)),
+            p + "mlp.gate_proj.weight": ((f, d), lambda m, g=layer: g(m).mlp.gate_proj, t, t),
+            p + "mlp.up_proj.weight": ((f, d), lambda m, g=layer: g(m).mlp.up_proj, t, t),
+            p + "mlp.down_proj.weight": ((d, f), lambda m, g=layer: g(m).mlp.down_proj, t, t),
+        }
+    return layout
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file holding it (single file or sharded index)."""
+    index = os.path.join(path, _INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as fh:
+            weight_map = json.load(fh).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map'; it is not a safetensors shard index")
+        return {name: os.path.join(path, shard) for name, shard in weight_map.items()}
+    single = os.path.join(path, _SINGLE_FILE)
+    if not os.path.exists(single):
+        raise ValueError(f"{path} has neither {_SINGLE_FILE} nor {_INDEX_FILE}; "
+                         "save the checkpoint with safe_serialization=True")
+    with safe_open(single, framework="flax") as fh:
+        return {name: single for name in fh.keys()}
+
+
+def load_hf_checkpoint(path: str, dtype=None, param_dtype=None) -> LlamaForCausalLM:
+    """Load a HF Llama directory (config.json + model.safetensors or a shard index).
+
+    Args:
+      path: the checkpoint directory.
+      dtype: compute dtype; defaults to param_dtype.
+      param_dtype: storage dtype of the weights; defaults to the checkpoint's dtype.
+    Returns:
+      The model; its config is `model.config`.
+    Raises:
+      ValueError naming the field or tensor for a non-Llama config, a missing tensor or a
+      tensor of the wrong shape.
+    """
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise ValueError(f"{path} has no config.json; point load_hf_checkpoint at a HF model directory")
+    with open(config_path) as fh:
+        config = LlamaConfig.from_hf_config(json.load(fh), dtype=dtype, param_dtype=param_dtype)
+
+    layout = _hf_layout(config)
+    files = _tensor_files(path)
+    missing = sorted(set(layout) - set(files))
+    if missing:
+        raise ValueError(f"checkpoint {path} is missing tensor(s) {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''} for a {config.num_layers}-layer Llama")
+
+    model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    by_file: dict[str, list[str]] = {}
+    for name in layout:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(file, framework="flax") as fh:
+            for name in names:
+                shape, param_of, from_hf, _ = layout[name]
+                got = tuple(fh.get_slice(name).get_shape())
+                if got != shape:
+                    raise ValueError(f"tensor {name} has shape {got}, expected {shape} for this config.json")
+                param = param_of(model)
+                value = from_hf(fh.get_tensor(name)).astype(config.param_dtype)
+                assert value.shape == param.shape, f"layout transform of {name} gives {value.shape}"
+                # A fresh Variable from eval_shape holds a ShapeDtypeStruct, so it is replaced
+                # whole (set_value since flax 0.12; the .value setter before it).
+                if hasattr(param, "set_value"):
+                    param.set_value(value)
+                else:
+                    param.value = value
+    return model
+
+
+def save_hf_checkpoint(model: LlamaForCausalLM, path: str) -> None:
+    """Write `model` as a HF Llama directory (config.json + model.safetensors) in its param dtype.
+
+    The inverse of load_hf_checkpoint; transformers' LlamaForCausalLM.from_pretrained reads it.
+    """
+    os.makedirs(path, exist_ok=True)
+    tensors = {name: jnp.asarray(to_hf(param_of(model)[...]))
+               for name, (_, param_of, _, to_hf) in _hf_layout(model.config).items()}
+    save_file(tensors, os.path.join(path, _SINGLE_FILE), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump(model.config.to_hf_config(), fh, indent=2)
