@@ -3,18 +3,229 @@
 Layout (the one place it is documented): k_cache and v_cache are
 [num_blocks, block_size, num_kv_heads, head_dim]; slot s is page s // block_size, row
 s % block_size. Page 0 is the null page: padded block-table entries point to it, never -1.
+
+The Pallas kernel (Triton backend) runs one program per (work item, KV head, context split).
+A work item is a query block of one sequence, and the program handles all query heads of
+the KV group, so every K/V page is read once per item: its rows are token * group + head.
+Two launches share the kernel body: decodes (one row block per decoding sequence, the
+context split flash-decoding style and combined by logsumexp) and prefill chunks (blocks
+of `prefill_rows` rows, one split). Items with nothing to do exit at once, so a batch
+without prefills or without decodes costs an empty launch, not a branch on the host.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention_xla import ragged_paged_attention_xla
+from pallas_kernels.ragged_batch import cdiv, query_blocks, ragged_batch, token_block_rows, token_sequence
+
+# Finite, so rows that see no key (padding, empty splits) stay finite instead of NaN.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+LOG2_E = math.log2(math.e)
+MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasConfig:
+    """Tunable launch parameters of the Pallas kernel (block dims are powers of two).
+
+    The defaults are the ones scripts/gpu_bench_attention.py selects; the table that justifies
+    them lives in results/ next to the benchmark output.
+    """
+
+    decode_block_k: int = 128  # keys per inner step (pages_per_compute_block * block_size)
+    decode_num_splits: int | None = None  # None: enough splits for ~decode_target_programs
+    decode_target_programs: int = 1024
+    decode_num_warps: int = 4
+    decode_num_stages: int = 2
+    prefill_rows: int = 64  # query rows (tokens * group) per program
+    prefill_block_k: int = 64
+    prefill_num_warps: int = 4
+    prefill_num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("decode_block_k", "prefill_rows", "prefill_block_k"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"PallasConfig.{name}={value} must be a power of two")
+
+
+def _next_power_of_2(n):
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _attention_kernel(
+    q_ref,  # [rows, head_dim]: one work item, one KV head; row = token * group + head
+    k_ref,  # [num_blocks, block_size, head_dim]: KV head h of k_cache
+    v_ref,  # [num_blocks, block_size, head_dim]
+    pages_ref,  # i32[pages_per_split]: this split's slice of the item's block table
+    q_pos0_ref,  # i32[1]: position of the item's first query token
+    num_rows_ref,  # i32[1]: real query tokens of the item; 0 means nothing to do
+    o_ref,  # [rows, head_dim]: normalised within this split
+    *stat_refs,  # m_ref, l_ref: f32[rows] in log2 units, only when the context is split
+    group,
+    pages_per_compute_block,
+    scale_log2,
+):
+    rows, head_dim = q_ref.shape
+    block_size = k_ref.shape[1]
+    pages_per_split = pages_ref.shape[0]
+    block_k = pages_per_compute_block * block_size
+    split_start = pl.program_id(2) * pages_per_split * block_size
+    q_pos0 = q_pos0_ref[0]
+    # Keys past the item's last query position are never visible: do not even load them.
+    kv_end = q_pos0 + num_rows_ref[0]
+    num_steps = jnp.clip(cdiv(kv_end - split_start, block_k), 0, pages_per_split // pages_per_compute_block)
+    precision = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
+    q = q_ref[...]
+    row_pos = q_pos0 + jnp.arange(rows, dtype=jnp.int32)[:, None] // group  # [rows, 1]
+
+    def body(step, carry):
+        m_prev, l_prev, acc_prev = carry  # f32[rows], f32[rows], f32[rows, head_dim]
+        pages = pages_ref[pl.ds(step * pages_per_compute_block, pages_per_compute_block)]
+        k = k_ref[pages].reshape(block_k, head_dim)
+        v = v_ref[pages].reshape(block_k, head_dim)
+        key_pos = split_start + step * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
+        key_valid = key_pos < kv_end
+        # Foreign pages and slots past seq_len may hold NaN, and 0 * NaN = NaN: mask V itself.
+        v = jnp.where(key_valid[:, None], v, jnp.zeros((), v.dtype))
+        scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                 preferred_element_type=jnp.float32) * scale_log2  # [rows, block_k]
+        visible = key_valid[None, :] & (key_pos[None, :] <= row_pos)
+        scores = jnp.where(visible, scores, MASK_VALUE)
+        m_next = jnp.maximum(m_prev, scores.max(axis=1))
+        correction = jnp.exp2(m_prev - m_next)
+        probs = jnp.exp2(scores - m_next[:, None])
+        l_next = l_prev * correction + probs.sum(axis=1)
+        pv = lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32)
+        return m_next, l_next, acc_prev * correction[:, None] + pv
+
+    carry = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
+             jnp.zeros((rows, head_dim), jnp.float32))
+    m_final, l_final, acc = lax.fori_loop(0, num_steps, body, carry)
+    o_ref[...] = (acc / jnp.maximum(l_final, 1e-30)[:, None]).astype(o_ref.dtype)
+    if stat_refs:
+        m_ref, l_ref = stat_refs
+        m_ref[...] = m_final
+        l_ref[...] = l_final
+
+
+def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *, group, sm_scale, num_splits,
+                    block_k, num_warps, num_stages, interpret):
+    """Launch the kernel over (item, KV head, split) and combine the splits.
+
+    q_items: [num_items, num_kv_heads, rows, head_dim]; item_tables: i32[num_items, W];
+    q_pos0, num_rows: i32[num_items]. Returns [num_items, num_kv_heads, rows, head_dim] f32.
+    """
+    num_items, num_kv_heads, rows, head_dim = q_items.shape
+    num_blocks, block_size, _, _ = k_cache.shape
+    pages_per_compute_block = max(1, min(block_k // block_size, _next_power_of_2(item_tables.shape[1])))
+    pages_per_split = cdiv(cdiv(item_tables.shape[1], num_splits), pages_per_compute_block) * pages_per_compute_block
+    # Whole splits of whole compute blocks; the padding is the null page, never -1.
+    item_tables = jnp.pad(item_tables, ((0, 0), (0, num_splits * pages_per_split - item_tables.shape[1])))
+    split = num_splits > 1
+    out_dtype = jnp.float32 if split else q_items.dtype
+    stat_shape = jax.ShapeDtypeStruct((num_items, num_splits, num_kv_heads, rows), jnp.float32)
+    stat_spec = pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, s, h, 0))
+    kernel = functools.partial(_attention_kernel, group=group, pages_per_compute_block=pages_per_compute_block,
+                               scale_log2=sm_scale * LOG2_E)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(num_items, num_kv_heads, num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, head_dim), lambda i, h, s: (i, h, 0, 0)),  # q: item i, KV head h
+            pl.BlockSpec((num_blocks, block_size, None, head_dim), lambda i, h, s: (0, 0, h, 0)),  # k: head h pages
+            pl.BlockSpec((num_blocks, block_size, None, head_dim), lambda i, h, s: (0, 0, h, 0)),  # v: head h pages
+            pl.BlockSpec((None, pages_per_split), lambda i, h, s: (i, s)),  # pages of split s of item i
+            pl.BlockSpec((1,), lambda i, h, s: (i,)),  # q_pos0 of item i
+            pl.BlockSpec((1,), lambda i, h, s: (i,)),  # num_rows of item i
+        ],
+        out_specs=[pl.BlockSpec((None, None, None, rows, head_dim), lambda i, h, s: (i, s, h, 0, 0))]
+        + ([stat_spec, stat_spec] if split else []),
+        out_shape=[jax.ShapeDtypeStruct((num_items, num_splits, num_kv_heads, rows, head_dim), out_dtype)]
+        + ([stat_shape, stat_shape] if split else []),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_{rows=}_{block_k=}_{num_splits=}",
+    )(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows)
+    if not split:
+        return outs[0][:, 0].astype(jnp.float32)
+    o, m, l = outs
+    # flash-decoding combine: weight each split by its softmax mass relative to the best split
+    weight = jnp.exp2(m - m.max(axis=1, keepdims=True)) * l  # [items, splits, K, rows]
+    total = jnp.maximum(weight.sum(axis=1), 1e-30)
+    return jnp.einsum("ISKR,ISKRD->IKRD", weight, o) / total[..., None]  # I item, S split, R row
+
+
+def _items_from_blocks(q, blocks, block_tables, num_kv_heads, rows):
+    """Gather each block's query rows into the kernel layout [items, K, rows, D] (row = token * G + g)."""
+    num_items, block_q = blocks.row_token.shape
+    _, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    q_items = q[blocks.row_token].reshape(num_items, block_q, num_kv_heads, group, head_dim)
+    q_items = q_items.transpose(0, 2, 1, 3, 4).reshape(num_items, num_kv_heads, block_q * group, head_dim)
+    q_items = jnp.pad(q_items, ((0, 0), (0, 0), (0, rows - block_q * group), (0, 0)))
+    return q_items, block_tables[blocks.seq]
+
+
+def _token_rows(out_items, batch, blocks, token_seq, block_q, group):
+    """Inverse of _items_from_blocks: [items, K, rows, D] -> [num_tokens, num_q_heads, D]."""
+    num_items, num_kv_heads, _, head_dim = out_items.shape
+    out = out_items[:, :, : block_q * group].reshape(num_items, num_kv_heads, block_q, group, head_dim)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(num_items * block_q, num_kv_heads * group, head_dim)
+    return out[token_block_rows(batch, blocks, token_seq, block_q)]
+
+
+def _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
+                                   sm_scale, interpret, config):
+    num_tokens, num_q_heads, _ = q.shape
+    num_kv_heads = k_cache.shape[2]
+    max_num_seqs, max_blocks_per_seq = block_tables.shape
+    group = num_q_heads // num_kv_heads
+    batch = ragged_batch(seq_lens, query_start_loc, num_seqs)
+    token_seq = token_sequence(batch, num_tokens)
+    call = functools.partial(_attention_call, k_cache=k_cache, v_cache=v_cache, group=group, sm_scale=sm_scale,
+                             interpret=interpret)
+
+    # decode: one item per decoding sequence, all rows of a KV group in one tl.dot tile
+    decode_rows = max(MIN_DOT_ROWS, _next_power_of_2(group))
+    decode = query_blocks(batch, jnp.where(batch.q_lens == 1, 1, 0), max_num_seqs, 1)
+    num_splits = config.decode_num_splits or _next_power_of_2(
+        cdiv(config.decode_target_programs, max_num_seqs * num_kv_heads))
+    max_splits = cdiv(max_blocks_per_seq * k_cache.shape[1], config.decode_block_k)
+    num_splits = max(1, min(num_splits, _next_power_of_2(max_splits)))
+    q_items, tables = _items_from_blocks(q, decode, block_tables, num_kv_heads, decode_rows)
+    out_decode = call(q_items, item_tables=tables, q_pos0=decode.q_pos0, num_rows=decode.num_rows,
+                      num_splits=num_splits, block_k=config.decode_block_k, num_warps=config.decode_num_warps,
+                      num_stages=config.decode_num_stages)
+
+    # prefill chunks: blocks of block_q tokens of one sequence, group rows each
+    block_q = max(1, config.prefill_rows // group)
+    prefill_rows = max(MIN_DOT_ROWS, _next_power_of_2(block_q * group))
+    # Each prefilling sequence (>= 2 tokens) wastes at most one partial block.
+    num_items = cdiv(num_tokens, block_q) + min(max_num_seqs, num_tokens // 2)
+    prefill = query_blocks(batch, jnp.where(batch.q_lens >= 2, batch.q_lens, 0), num_items, block_q)
+    q_items, tables = _items_from_blocks(q, prefill, block_tables, num_kv_heads, prefill_rows)
+    out_prefill = call(q_items, item_tables=tables, q_pos0=prefill.q_pos0, num_rows=prefill.num_rows,
+                       num_splits=1, block_k=config.prefill_block_k, num_warps=config.prefill_num_warps,
+                       num_stages=config.prefill_num_stages)
+
+    is_decode = (batch.q_lens[token_seq] == 1)[:, None, None]
+    out = jnp.where(is_decode, _token_rows(out_decode, batch, decode, token_seq, 1, group),
+                    _token_rows(out_prefill, batch, prefill, token_seq, block_q, group))
+    return out.astype(q.dtype)
+
 
 IMPLS = ("pallas", "xla")
 
@@ -68,9 +279,9 @@ def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, nu
                              "pad head_dim or use impl='xla'")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "interpret", "config"))
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                           sm_scale=None, impl="pallas", interpret=False):
+                           sm_scale=None, impl="pallas", interpret=False, config=None):
     """Causal attention of a ragged batch of query tokens over paged K/V.
 
     Args:
@@ -84,6 +295,7 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
       sm_scale: softmax scale, default 1/sqrt(head_dim).
       impl: "pallas" (the Triton kernel for NVIDIA GPUs) or "xla" (gather-based; the CPU path).
       interpret: run the Pallas kernel in interpret mode (CPU tests).
+      config: PallasConfig launch parameters for impl="pallas" (None: the tuned defaults).
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype. Query token j of a sequence with q_len
@@ -97,7 +309,8 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     if impl == "xla":
         return ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
                                           sm_scale)
-    raise NotImplementedError("the Pallas kernel lands in the next commit; use impl='xla'")
+    return _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
+                                          sm_scale, interpret, config or PallasConfig())
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,

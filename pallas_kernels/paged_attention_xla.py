@@ -24,27 +24,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.ragged_batch import cdiv, query_blocks, ragged_batch, token_block_rows, token_sequence
+
 # Finite, so a row with every key masked (a padding row) gives a finite output, not NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 PREFILL_QUERY_BLOCK = 16
 CONTEXT_CHUNK_TOKENS = 512
 
 
-def _cdiv(a, b):
-    return (a + b - 1) // b
-
-
-def _attend_query_blocks(q, k_cache, v_cache, block_tables, seq_lens, token_start, token_end, q_lens, sm_scale, *, block_q):
+def _attend_query_blocks(q, k_cache, v_cache, block_tables, batch, sm_scale, *, block_q):
     """Attention for all query tokens, grouped in query blocks of `block_q` rows.
 
     Args:
       q: [num_tokens, num_q_heads, head_dim].
       k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
       block_tables: i32[max_num_seqs, max_blocks_per_seq].
-      seq_lens: i32[max_num_seqs], 0 for padded sequences.
-      token_start: i32[max_num_seqs], query_start_loc[:-1].
-      token_end: i32[max_num_seqs], query_start_loc[1:], but int32 max for padded sequences.
-      q_lens: i32[max_num_seqs], 0 for padded sequences.
+      batch: RaggedBatch of the call.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype; rows of padding tokens are finite.
@@ -54,28 +49,18 @@ def _attend_query_blocks(q, k_cache, v_cache, block_tables, seq_lens, token_star
     max_num_seqs, max_blocks_per_seq = block_tables.shape
     group = num_q_heads // num_kv_heads
     # Every sequence wastes at most one partial block, so this many blocks always suffice.
-    num_query_blocks = min(_cdiv(num_tokens, block_q) + max_num_seqs, num_tokens)
+    num_query_blocks = min(cdiv(num_tokens, block_q) + max_num_seqs, num_tokens)
+    blocks = query_blocks(batch, batch.q_lens, num_query_blocks, block_q)
+    q_pos = blocks.q_pos0[:, None] + jnp.arange(block_q)[None, :]  # [B, Q]
+    # Keys past the block's last query position are never visible to it.
+    kv_end = blocks.q_pos0 + blocks.num_rows  # [B]
 
-    # query blocks -> (sequence, first query row within the sequence)
-    blocks_per_seq = _cdiv(q_lens, block_q)
-    blocks_end = jnp.cumsum(blocks_per_seq)
-    blocks_start = blocks_end - blocks_per_seq
-    block_ids = jnp.arange(num_query_blocks, dtype=jnp.int32)
-    block_seq = jnp.minimum(jnp.searchsorted(blocks_end, block_ids, side="right"), max_num_seqs - 1)
-    block_real = block_ids < blocks_end[-1]
-    row_in_seq = (block_ids - blocks_start[block_seq])[:, None] * block_q + jnp.arange(block_q)[None, :]
-    row_valid = block_real[:, None] & (row_in_seq < q_lens[block_seq][:, None])  # [B, Q]
-    row_token = jnp.where(row_valid, token_start[block_seq][:, None] + row_in_seq, 0)
-    block_seq_len = jnp.where(block_real, seq_lens[block_seq], 0)  # [B]
-    # Query row j of a sequence with q_len rows sits at position seq_len - q_len + j.
-    q_pos = (block_seq_len - q_lens[block_seq])[:, None] + row_in_seq  # [B, Q]
-
-    q_blocks = q[row_token].reshape(num_query_blocks, block_q, num_kv_heads, group, head_dim)
+    q_blocks = q[blocks.row_token].reshape(num_query_blocks, block_q, num_kv_heads, group, head_dim)
     chunk_pages = max(1, min(max_blocks_per_seq, CONTEXT_CHUNK_TOKENS // block_size))
-    num_chunks_max = _cdiv(max_blocks_per_seq, chunk_pages)
+    num_chunks_max = cdiv(max_blocks_per_seq, chunk_pages)
     # Pad the table width to whole chunks with the null page (never -1).
     tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks_max * chunk_pages - max_blocks_per_seq)))
-    tables = tables[block_seq]  # [B, W']
+    tables = tables[blocks.seq]  # [B, W']
     chunk_len = chunk_pages * block_size
 
     def chunk_step(chunk, carry):
@@ -84,12 +69,12 @@ def _attend_query_blocks(q, k_cache, v_cache, block_tables, seq_lens, token_star
         k = k_cache[pages].reshape(num_query_blocks, chunk_len, num_kv_heads, head_dim)
         v = v_cache[pages].reshape(num_query_blocks, chunk_len, num_kv_heads, head_dim)
         key_pos = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)  # [C]
-        key_owned = key_pos[None, :] < block_seq_len[:, None]  # [B, C]
+        key_valid = key_pos[None, :] < kv_end[:, None]  # [B, C]
         # Slots past seq_len and pages of other sequences may hold NaN: a zero weight times
         # NaN is still NaN, so the values themselves are masked, not only the scores.
-        v = jnp.where(key_owned[:, :, None, None], v, jnp.zeros((), v.dtype))
+        v = jnp.where(key_valid[:, :, None, None], v, jnp.zeros((), v.dtype))
         scores = jnp.einsum("BQKGD,BCKD->BKGQC", q_blocks, k, preferred_element_type=jnp.float32)
-        visible = key_owned[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [B, Q, C]
+        visible = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [B, Q, C]
         scores = jnp.where(visible[:, None, None], scores * sm_scale, MASK_VALUE)
         m_next = jnp.maximum(m_prev, scores.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
@@ -105,34 +90,20 @@ def _attend_query_blocks(q, k_cache, v_cache, block_tables, seq_lens, token_star
         jnp.zeros((*stat_shape, head_dim), jnp.float32),
     )
     # Stop at the longest context in the batch, not at the table width (max_model_len).
-    num_chunks = _cdiv(jnp.max(block_seq_len), chunk_len)
+    num_chunks = jnp.minimum(cdiv(jnp.max(kv_end), chunk_len), num_chunks_max)
     _, l_final, acc = lax.fori_loop(0, num_chunks, chunk_step, carry)
     out_blocks = acc / jnp.maximum(l_final, 1e-30)[..., None]  # [B, K, G, Q, D]
     out_blocks = out_blocks.transpose(0, 3, 1, 2, 4).reshape(num_query_blocks * block_q, num_q_heads, head_dim)
-
-    # tokens -> (query block, row): the inverse of the mapping above
-    token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
-    token_seq = jnp.minimum(jnp.searchsorted(token_end, token_ids, side="right"), max_num_seqs - 1)
-    offset = token_ids - token_start[token_seq]
-    token_block = blocks_start[token_seq] + offset // block_q
-    flat_row = jnp.clip(token_block * block_q + offset % block_q, 0, num_query_blocks * block_q - 1)
-    return out_blocks[flat_row].astype(q.dtype)
+    rows = token_block_rows(batch, blocks, token_sequence(batch, num_tokens), block_q)
+    return out_blocks[rows].astype(q.dtype)
 
 
 def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, sm_scale):
     """Gather-based ragged paged attention; arguments as in `ragged_paged_attention`."""
-    max_num_seqs = seq_lens.shape[0]
-    real_seq = jnp.arange(max_num_seqs) < jnp.reshape(num_seqs, ())
-    q_lens = jnp.where(real_seq, query_start_loc[1:] - query_start_loc[:-1], 0).astype(jnp.int32)
-    seq_lens = jnp.where(real_seq, seq_lens, 0).astype(jnp.int32)
-    token_start = query_start_loc[:-1].astype(jnp.int32)
-    # Padded sequences end past every token, so that token -> sequence searches land on real ones.
-    token_end = jnp.where(real_seq, query_start_loc[1:], jnp.iinfo(jnp.int32).max).astype(jnp.int32)
-    attend = functools.partial(
-        _attend_query_blocks, q, k_cache, v_cache, block_tables, seq_lens, token_start, token_end, q_lens, sm_scale
-    )
+    batch = ragged_batch(seq_lens, query_start_loc, num_seqs)
+    attend = functools.partial(_attend_query_blocks, q, k_cache, v_cache, block_tables, batch, sm_scale)
     return lax.cond(
-        jnp.max(q_lens) <= 1,
+        jnp.max(batch.q_lens) <= 1,
         functools.partial(attend, block_q=1),
         functools.partial(attend, block_q=min(PREFILL_QUERY_BLOCK, q.shape[0])),
     )
