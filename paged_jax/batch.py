@@ -9,6 +9,7 @@ element, and inside a Pallas kernel it is out of range.
 
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
 import numpy as np
@@ -33,3 +34,216 @@ class StepInputs(NamedTuple):
     top_k: np.ndarray | None = None  # i32[S]; -1 or 0 disables
     top_p: np.ndarray | None = None  # f32[S]; 1.0 disables
     rng_keys: np.ndarray | None = None  # u32[S, 2]; per-request seed folded with its step count
+
+
+def make_buckets(max_value: int, min_value: int = 1) -> list[int]:
+    """Powers of two from the first one >= min_value, capped by max_value (always the last).
+
+    make_buckets(100, 8) == [8, 16, 32, 64, 100]. Each bucket is one compiled shape, so the
+    count stays logarithmic while padding wastes at most half of a step.
+    """
+    for name, value in (("max_value", max_value), ("min_value", min_value)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if min_value > max_value:
+        raise ValueError(f"min_value={min_value} must be <= max_value={max_value}")
+    buckets, size = [], 1
+    while size < min_value:
+        size *= 2
+    while size < max_value:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_value)
+    return buckets
+
+
+def _seed_to_u32(seed: int) -> int:
+    # splitmix64's finaliser: nearby seeds (0, 1, 2, ...) land on unrelated key words.
+    x = (seed + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    return (x ^ (x >> 32)) & 0xFFFFFFFF
+
+
+def _pick_bucket(buckets: list[int], n: int, what: str) -> int:
+    i = bisect.bisect_left(buckets, n)
+    assert i < len(buckets), f"{n} {what} exceed the largest bucket {buckets[-1]}: scheduler limits and buckets disagree"
+    return buckets[i]
+
+
+class StepInputsBuilder:
+    """Turns SchedulerOutputs into StepInputs, keeping per-request state between steps.
+
+    Each live request owns a row of a persistent block-table array; a step appends only the
+    blocks allocated in it, so a decode costs O(1) Python work and the table itself is
+    gathered with one fancy index. Call build() on EVERY SchedulerOutput: it is where rows
+    of finished and preempted requests are released.
+
+    Key words per sequence: (u32 of the request's seed, number of output tokens so far).
+    Unseeded requests get a random seed once, kept across preemption until they finish.
+    """
+
+    def __init__(self, *, block_size: int, max_blocks_per_seq: int, token_buckets, seq_buckets, seed: int | None = None):
+        self.block_size = block_size
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.token_buckets = sorted(token_buckets)
+        self.seq_buckets = sorted(seq_buckets)
+        self._rng = np.random.default_rng(seed)
+        self._row_of: dict[str, int] = {}
+        self._free_rows: list[int] = []
+        self._seed_of: dict[str, int] = {}  # outlives the row: a resumed request keeps its stream
+        self._grow(64)
+
+    def _grow(self, capacity: int) -> None:
+        old = getattr(self, "_tables", None)
+        start = 0 if old is None else old.shape[0]
+        tables = np.zeros((capacity, self.max_blocks_per_seq), np.int32)
+        fields = {"_num_blocks": np.int32, "_num_prompt": np.int32, "_temperature": np.float32,
+                  "_top_k": np.int32, "_top_p": np.float32, "_seed": np.uint32}
+        for name, dtype in fields.items():
+            arr = np.zeros(capacity, dtype)
+            if old is not None:
+                arr[:start] = getattr(self, name)
+            setattr(self, name, arr)
+        if old is not None:
+            tables[:start] = old
+        self._tables = tables
+        self._free_rows.extend(range(capacity - 1, start - 1, -1))
+
+    def _add_row(self, request, block_ids) -> int:
+        row = self._row_of.get(request.request_id)
+        if row is None:
+            if not self._free_rows:
+                self._grow(2 * self._tables.shape[0])
+            row = self._free_rows.pop()
+            self._row_of[request.request_id] = row
+        n = len(block_ids)
+        assert n <= self.max_blocks_per_seq, f"{n} blocks exceed the table width {self.max_blocks_per_seq}"
+        self._tables[row, :n] = block_ids
+        self._tables[row, n:] = 0
+        self._num_blocks[row] = n
+        self._num_prompt[row] = request.num_prompt_tokens
+        params = request.sampling_params
+        self._temperature[row] = params.temperature
+        self._top_k[row] = params.top_k
+        self._top_p[row] = params.top_p
+        seed = self._seed_of.get(request.request_id)
+        if seed is None:
+            seed = _seed_to_u32(params.seed) if params.seed is not None else int(self._rng.integers(2**32))
+            self._seed_of[request.request_id] = seed
+        self._seed[row] = seed
+        return row
+
+    def _release(self, request_id: str, finished: bool) -> None:
+        row = self._row_of.pop(request_id, None)
+        if row is not None:
+            self._free_rows.append(row)
+        if finished:
+            self._seed_of.pop(request_id, None)
+
+    def build(self, scheduler_output, get_block_ids=None) -> StepInputs:
+        """Builds the padded inputs of one step.
+
+        Args:
+          scheduler_output: a scheduler.SchedulerOutput; sequence i of the step is its i-th
+            scheduled request (tokens [num_computed, num_computed + num_scheduled)).
+          get_block_ids: optional request_id -> full block-id list (e.g.
+            KVCacheManager.get_block_ids); when given, every table is re-read from it
+            (slow path, for one-shot use) instead of being appended incrementally.
+        Returns:
+          StepInputs padded to the smallest token bucket >= the scheduled tokens and the
+          smallest sequence bucket >= the scheduled requests.
+        """
+        out = scheduler_output
+        for request_id in out.finished_req_ids:
+            self._release(request_id, finished=True)
+        for request_id in out.preempted_req_ids:
+            self._release(request_id, finished=False)
+
+        rows, token_ids = [], []
+        row_of, tables, num_blocks = self._row_of, self._tables, self._num_blocks
+        for request, c, n, new_ids, is_new in zip(
+            out.requests, out.num_computed_tokens, out.num_scheduled_tokens, out.new_block_ids, out.is_new
+        ):
+            row = row_of.get(request.request_id)
+            if get_block_ids is not None:
+                row = self._add_row(request, get_block_ids(request.request_id))
+            elif is_new or row is None:
+                assert is_new, f"request {request.request_id!r} has no block table yet and came without one"
+                row = self._add_row(request, new_ids)
+            elif new_ids:
+                k, m = int(num_blocks[row]), len(new_ids)
+                assert k + m <= self.max_blocks_per_seq, f"{k + m} blocks exceed the table width"
+                tables[row, k : k + m] = new_ids
+                num_blocks[row] = k + m
+            rows.append(row)
+            if n == 1:
+                token_ids.append(request.all_token_ids[c])
+            else:
+                token_ids.extend(request.all_token_ids[c : c + n])
+        return self._assemble(rows, token_ids, out.num_computed_tokens, out.num_scheduled_tokens)
+
+    def _assemble(self, rows, token_ids, num_computed, num_scheduled) -> StepInputs:
+        num_seqs, num_tokens = len(rows), len(token_ids)
+        s_pad = _pick_bucket(self.seq_buckets, num_seqs, "sequences")
+        t_pad = _pick_bucket(self.token_buckets, num_tokens, "tokens")
+        bs = self.block_size
+        rows = np.asarray(rows, np.intp)
+        computed = np.asarray(num_computed, np.int32)
+        scheduled = np.asarray(num_scheduled, np.int32)
+
+        seq_lens = np.zeros(s_pad, np.int32)
+        seq_lens[:num_seqs] = computed + scheduled
+        query_start_loc = np.empty(s_pad + 1, np.int32)
+        query_start_loc[0] = 0
+        np.cumsum(scheduled, out=query_start_loc[1 : num_seqs + 1])
+        query_start_loc[num_seqs + 1 :] = query_start_loc[num_seqs]
+        block_tables = np.zeros((s_pad, self.max_blocks_per_seq), np.int32)
+        block_tables[:num_seqs] = self._tables[rows]
+
+        if num_tokens == num_seqs:  # decode-only step: one token per sequence
+            seq_of_token, real_positions = np.arange(num_seqs), computed
+        else:
+            seq_of_token = np.repeat(np.arange(num_seqs), scheduled)
+            offsets = np.arange(num_tokens, dtype=np.int32) - query_start_loc[:num_seqs][seq_of_token]
+            real_positions = computed[seq_of_token] + offsets
+        block_index = real_positions // bs
+        assert num_tokens == 0 or np.all(block_index < self._num_blocks[rows][seq_of_token]), (
+            "a scheduled token has no block: allocate_slots must cover every scheduled token"
+        )
+        positions = np.zeros(t_pad, np.int32)
+        positions[:num_tokens] = real_positions
+        slot_mapping = np.zeros(t_pad, np.int32)  # padded tokens write slot 0, inside the null block
+        slot_mapping[:num_tokens] = block_tables[seq_of_token, block_index] * bs + real_positions % bs
+        tokens = np.zeros(t_pad, np.int32)
+        tokens[:num_tokens] = token_ids
+
+        logits_indices = np.zeros(s_pad, np.int32)
+        logits_indices[:num_seqs] = query_start_loc[1 : num_seqs + 1] - 1
+        temperature = np.zeros(s_pad, np.float32)  # padded rows are greedy: no sort, no draw
+        temperature[:num_seqs] = self._temperature[rows]
+        top_k = np.full(s_pad, -1, np.int32)
+        top_k[:num_seqs] = self._top_k[rows]
+        top_p = np.ones(s_pad, np.float32)
+        top_p[:num_seqs] = self._top_p[rows]
+        rng_keys = np.zeros((s_pad, 2), np.uint32)
+        rng_keys[:num_seqs, 0] = self._seed[rows]
+        # The token sampled from this step is output number seq_len - num_prompt (0-based).
+        rng_keys[:num_seqs, 1] = np.maximum(seq_lens[:num_seqs] - self._num_prompt[rows], 0)
+        return StepInputs(
+            token_ids=tokens, positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
+            seq_lens=seq_lens, query_start_loc=query_start_loc, num_seqs=np.array([num_seqs], np.int32),
+            logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p, rng_keys=rng_keys,
+        )
+
+
+def build_step_inputs(scheduler_output, get_block_ids, *, block_size, max_blocks_per_seq, token_buckets,
+                      seq_buckets, seed=None) -> StepInputs:
+    """One-shot build (no state kept between steps): every table is read via get_block_ids.
+
+    Engines use a StepInputsBuilder instead, which appends blocks incrementally.
+    """
+    builder = StepInputsBuilder(block_size=block_size, max_blocks_per_seq=max_blocks_per_seq,
+                                token_buckets=token_buckets, seq_buckets=seq_buckets, seed=seed)
+    return builder.build(scheduler_output, get_block_ids)
