@@ -1,0 +1,293 @@
+"""Token-budget scheduler: continuous batching, chunked prefill, prefix caching, preemption.
+
+vLLM v1's policy (one queue of waiting requests, one list of running ones, no prefill or
+decode phases): each step has a budget of max_num_batched_tokens tokens and at most
+max_num_seqs running requests.
+
+1. Running requests, in admission order, each get what they still need (1 token for a
+   decode; min(remaining prompt, budget) for a request still prefilling: chunked prefill).
+   When allocate_slots cannot cover one, the most recently admitted running request is
+   preempted by recompute (blocks freed, num_computed_tokens = 0, FRONT of the waiting
+   queue), which may be the request itself; then the allocation is retried.
+2. Only in a step that preempted nothing: waiting requests in FCFS order, each after a
+   prefix-cache lookup; the first that does not fit in the budget gets a chunk, the first
+   whose blocks do not fit stops admission (no skipping ahead: FCFS).
+
+num_computed_tokens advances in schedule(), as in vLLM: the step's tokens are as good as
+computed once scheduled. A request samples when its scheduled tokens reach the end of
+its known tokens; a chunk that ends mid-prompt samples nothing. Imports no jax.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from paged_jax.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """Who runs in one step. Index i of every list is sequence i of the step: running
+    requests first (admission order), then newly admitted or resumed ones.
+
+    Attributes:
+      requests: the scheduled requests.
+      num_computed_tokens: tokens already in the KV cache BEFORE this step.
+      num_scheduled_tokens: tokens computed this step (positions computed .. computed + n - 1).
+      samples: whether the step's last token yields a sampled next token.
+      new_block_ids: newly admitted / resumed (is_new): the whole block table; else the
+        blocks allocated this step (usually none).
+      is_new: whether new_block_ids is a whole table (a fresh start for the request).
+      preempted_req_ids: requests preempted in this step (they hold no blocks now).
+      finished_req_ids: requests finished or aborted since the previous schedule().
+    """
+
+    requests: list[Request] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    samples: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    is_new: list[bool] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.requests)
+
+    @property
+    def req_ids(self) -> list[str]:
+        return [r.request_id for r in self.requests]
+
+    def _add(self, request: Request, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
+        self.requests.append(request)
+        self.num_computed_tokens.append(request.num_computed_tokens)
+        self.num_scheduled_tokens.append(num_tokens)
+        self.samples.append(request.num_computed_tokens + num_tokens >= request.num_tokens)
+        self.new_block_ids.append(block_ids)
+        self.is_new.append(is_new)
+        self.total_num_scheduled_tokens += num_tokens
+
+
+class EngineCoreOutput(NamedTuple):
+    """What one request got from one step (vLLM's name)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float] | None  # only when the request asked for logprobs
+    finish_reason: str | None  # "stop" / "length", None while running
+    stop_reason: int | None  # the stop_token_ids entry that ended it, if any
+    num_cached_tokens: int  # prefix-cache hit tokens at its first schedule
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each computes.
+
+    Invariants: every request in `running` holds blocks covering num_computed_tokens;
+    `waiting` requests hold none; `requests` maps the id of every unfinished request.
+    """
+
+    def __init__(self, kv_cache_manager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 block_size: int, long_prefill_token_threshold: int = 0):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("max_model_len", max_model_len), ("block_size", block_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={long_prefill_token_threshold!r} must be >= 0 (0 = off)")
+        self.kv_cache_manager = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_req_ids: list[str] = []
+        self.num_preemptions = 0
+        self.num_finished = 0
+        self.num_aborted = 0
+        self.num_steps = 0
+
+    # admission
+    def check_request_fits(self, request: Request) -> None:
+        """Raises ValueError for a request that could never run, even alone in the pool."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use; give each request a unique id")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        # The last sampled token is never computed, so its slot is never needed.
+        max_slots = min(request.num_prompt_tokens + request.max_tokens - 1, self.max_model_len)
+        need = -(-max_slots // self.block_size)
+        usable = len(self.kv_cache_manager.block_pool.blocks) - 1  # block 0 is the null block
+        if need > usable:
+            raise ValueError(
+                f"request {request.request_id!r} may need {need} KV blocks ({max_slots} tokens at block_size="
+                f"{self.block_size}) but the whole pool has {usable}; lower max_tokens, shorten the prompt or "
+                f"give the cache more blocks"
+            )
+
+    def add_request(self, request: Request) -> None:
+        """Queues a request (FCFS). ValueError if it is a duplicate or could never fit."""
+        self.check_request_fits(request)
+        assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0, (
+            f"{request!r} was already scheduled elsewhere: a request object is single use"
+        )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = []
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        threshold = self.long_prefill_token_threshold
+
+        # running requests first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, budget)  # stop checks keep num_tokens <= max_model_len
+            assert num_new > 0, f"{request!r} is running with nothing to compute: a missed stop check"
+            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+                victim = self.running.pop()  # the most recently admitted; never one already scheduled
+                self._preempt(victim)
+                out.preempted_req_ids.append(victim.request_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break  # the request preempted itself, and everything after it went first
+            out._add(request, num_new, [b.block_id for b in new_blocks], is_new=False)
+            budget -= num_new
+            i += 1
+
+        # then waiting requests, FCFS, unless this step had to preempt
+        while not out.preempted_req_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, budget)
+            if kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:  # first schedule: the hit that saves time to first token
+                request.num_cached_tokens = num_hit_tokens
+            out._add(request, num_new, list(kv.get_block_ids(request.request_id)), is_new=True)
+            budget -= num_new
+
+        for request, num_tokens in zip(out.requests, out.num_scheduled_tokens):
+            request.num_computed_tokens += num_tokens
+        self.num_steps += 1
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids, logprobs=None):
+        """Appends each sampling request's token, applies the stop checks and frees the
+        finished ones.
+
+        Args:
+          scheduler_output: what schedule() returned for this step.
+          sampled_token_ids: i32[>= num_seqs] (padded device output is fine); row i belongs
+            to scheduled request i; rows of requests that do not sample are ignored.
+          logprobs: optional f32[>= num_seqs], the sampled tokens' logprobs.
+        Returns:
+          list[EngineCoreOutput], one per request that got a token this step.
+        """
+        tokens = sampled_token_ids.tolist() if hasattr(sampled_token_ids, "tolist") else list(sampled_token_ids)
+        if logprobs is not None and hasattr(logprobs, "tolist"):
+            logprobs = logprobs.tolist()
+        outputs, any_finished = [], False
+        for i, (request, samples) in enumerate(zip(scheduler_output.requests, scheduler_output.samples)):
+            if not samples or request.status != RequestStatus.RUNNING:
+                continue  # mid-prompt chunk, or aborted between schedule and update
+            request.append_output_token_ids(int(tokens[i]))
+            stop_reason = self._check_stop(request)
+            if request.is_finished():
+                any_finished = True
+                self._free_request(request)
+                self.num_finished += 1
+            want_logprobs = logprobs is not None and request.sampling_params.logprobs
+            outputs.append(EngineCoreOutput(
+                request.request_id, [request.output_token_ids[-1]], [float(logprobs[i])] if want_logprobs else None,
+                request.get_finished_reason(), stop_reason, request.num_cached_tokens,
+            ))
+        if any_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    def _check_stop(self, request: Request) -> int | None:
+        """Sets a finished status when the request must stop (vLLM's check_stop order:
+        length, EOS, stop tokens). Returns the stop token that ended it, if any."""
+        if request.num_tokens >= self.max_model_len or request.num_output_tokens >= request.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return None
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if not params.ignore_eos and last == request.eos_token_id:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return None
+        if last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return last
+        return None
+
+    def _free_request(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.append(request.request_id)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request wherever it is and frees its blocks; False if it is unknown or
+        already finished."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._free_request(request)
+        self.num_aborted += 1
+        return True
+
+    # state
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def get_stats(self) -> dict:
+        return {
+            "num_running_reqs": len(self.running),
+            "num_waiting_reqs": len(self.waiting),
+            "num_preemptions": self.num_preemptions,
+            "num_finished": self.num_finished,
+            "num_aborted": self.num_aborted,
+            "num_steps": self.num_steps,
+            "kv_cache_usage": self.kv_cache_manager.usage,
+        }
