@@ -64,18 +64,25 @@ def assert_close_rel(ours, ref, what):
     assert err <= REL_TOL, f"{what}: max |ours - transformers| / max |transformers| = {err:.2e}"
 
 
-def paged_logits(model, ids, chunk_ends, block_size=8, num_blocks=16, seed=0):
-    """Run one sequence through the paged forward in the given chunks; logits at each chunk's end."""
+def paged_logits(model, ids, chunk_ends, block_size=8, num_blocks=24, seed=0):
+    """Run the rows of ids [B, L] as B sequences of one paged batch, in the given chunks.
+
+    Returns f32[len(chunk_ends), B, V]: each sequence's logits at the end of each chunk.
+    """
     rng = np.random.default_rng(seed)
-    block_ids = rng.permutation(np.arange(1, num_blocks))[: -(-len(ids) // block_size)].tolist()
+    blocks_per_seq = -(-ids.shape[1] // block_size)
+    perm = rng.permutation(np.arange(1, num_blocks)).tolist()
+    block_ids = [perm[b * blocks_per_seq:(b + 1) * blocks_per_seq] for b in range(ids.shape[0])]
+    assert len(block_ids[-1]) == blocks_per_seq, "num_blocks too small for the test sequences"
     step = jax.jit(lambda t, p, kv, inputs: model(t, p, kv, inputs, impl="xla"))
     kv_caches = init_kv_caches(model.config, num_blocks, block_size)
     rows, start = [], 0
     for end in chunk_ends:
-        inputs = build_step_inputs([(ids, block_ids, start, end)], block_size, width=len(block_ids) + 1,
-                                   token_bucket=-(-(end - start) // 8) * 8, seq_bucket=2)
+        chunks = [(row, blocks, start, end) for row, blocks in zip(ids, block_ids)]
+        inputs = build_step_inputs(chunks, block_size, width=blocks_per_seq + 1,
+                                   token_bucket=-(-len(ids) * (end - start) // 16) * 16, seq_bucket=4)
         logits, kv_caches = step(inputs.token_ids, inputs.positions, kv_caches, inputs)
-        rows.append(np.asarray(logits)[0])
+        rows.append(np.asarray(logits)[:len(ids)])
         start = end
     return np.stack(rows)
 
@@ -85,11 +92,10 @@ def check_parity(tmp_path, ref, *, seq_len=40, **load_kwargs):
     ids = np.random.default_rng(1).integers(0, 256, size=(2, seq_len))
     expected = hf_logits(ref, ids)
     assert_close_rel(model.dense_forward(jnp.asarray(ids, jnp.int32)), expected, "dense forward")
-    # Two prefill chunks, then decode steps, for each row of the batch.
+    # Two prefill chunks, then decode steps, both rows batched together.
     chunk_ends = [17, seq_len - 6] + list(range(seq_len - 5, seq_len + 1))
-    for b in range(ids.shape[0]):
-        got = paged_logits(model, ids[b], chunk_ends, seed=b)
-        assert_close_rel(got, expected[b, np.array(chunk_ends) - 1], f"paged forward, row {b}")
+    got = paged_logits(model, ids, chunk_ends)
+    assert_close_rel(got, expected[:, np.array(chunk_ends) - 1].transpose(1, 0, 2), "paged forward")
     return model
 
 
