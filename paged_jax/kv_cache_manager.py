@@ -208,12 +208,13 @@ class KVCacheManager:
                 pool.touch(new_computed_blocks)
                 req_blocks.extend(new_computed_blocks)
                 self.num_cached_block[request_id] = len(new_computed_blocks)
-
-        # decode fast path: usually the last block still has room
-        num_new_blocks = num_required_blocks - len(req_blocks)
-        if num_new_blocks > 0:
+            num_new_blocks = num_required_blocks - len(req_blocks)
+        else:
+            # decode fast path: usually the last block still has room
+            num_new_blocks = num_required_blocks - len(req_blocks)
             if num_new_blocks > pool.free_block_queue.num_free_blocks:
                 return None
+        if num_new_blocks > 0:
             new_blocks = pool.get_new_blocks(num_new_blocks)
             req_blocks.extend(new_blocks)
         else:

@@ -1,0 +1,224 @@
+"""Stateful property test: the manager against a naive list-based model of the same rules.
+
+Random add / lookup+allocate (whole or chunked prefill, with lookahead) / decode / finish /
+preempt / abort / reset steps on a small pool. After every step:
+- check_invariants(): the free queue holds exactly the ref_cnt == 0 non-null blocks, every
+  ref_cnt equals the number of live requests holding the block, every cached hash maps to
+  a block carrying it;
+- the model agrees on every block table, the exact free-queue order, every ref_cnt, the
+  number of cached hashes and every hit.
+The model keys its cache by the full token prefix (plus salt) instead of chain hashes, and
+keeps its free queue in a Python list, so it shares no code with the manager. At teardown
+every request ends and nothing may leak.
+"""
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from paged_jax.kv_cache_manager import KVCacheManager
+from paged_jax.request import Request
+
+BS = 4
+MAX_LEN = 48
+PREFIXES = [[1] * 12, [1] * 8 + [2] * 4, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
+
+
+class ModelManager:
+    """The allocation rules written the slow, obvious way."""
+
+    def __init__(self, num_blocks):
+        self.free = list(range(1, num_blocks))  # head first
+        self.ref = [0] * num_blocks
+        self.key = [None] * num_blocks  # prefix key of a cached block
+        self.cache = {}  # prefix key -> block ids, insertion order
+        self.tables = {}
+        self.num_cached = {}
+        self.num_blocks = num_blocks
+
+    @staticmethod
+    def keys(req):
+        toks = req.all_token_ids
+        return [(req.cache_salt, tuple(toks[: (i + 1) * BS])) for i in range(len(toks) // BS)]
+
+    def lookup(self, req):
+        hits = []
+        for k in self.keys(req)[: (req.num_tokens - 1) // BS]:
+            if not self.cache.get(k):
+                break
+            hits.append(self.cache[k][0])
+        return hits
+
+    def allocate(self, req, num_new, num_new_computed, hits, lookahead):
+        rid = req.request_id
+        table = self.tables.get(rid, [])
+        computed = req.num_computed_tokens + num_new_computed
+        need = -(-min(computed + num_new + lookahead, MAX_LEN) // BS)
+        evictable = sum(self.ref[b] == 0 for b in hits)
+        if need - len(hits) - len(table) + evictable > len(self.free):
+            return None
+        table = self.tables.setdefault(rid, [])
+        for b in hits:
+            if self.ref[b] == 0:
+                self.free.remove(b)
+            self.ref[b] += 1
+        table += hits
+        if hits:
+            self.num_cached[rid] = len(hits)
+        new = []
+        while len(table) < need:
+            b = self.free.pop(0)
+            if self.key[b] is not None:  # eviction
+                self.cache[self.key[b]].remove(b)
+                if not self.cache[self.key[b]]:
+                    del self.cache[self.key[b]]
+                self.key[b] = None
+            self.ref[b] = 1
+            new.append(b)
+            table.append(b)
+        full = min(computed + num_new, req.num_tokens) // BS
+        keys = self.keys(req)
+        for i in range(self.num_cached.get(rid, 0), full):
+            self.key[table[i]] = keys[i]
+            self.cache.setdefault(keys[i], []).append(table[i])
+        self.num_cached[rid] = max(full, self.num_cached.get(rid, 0))
+        return new
+
+    def release(self, rid):
+        head, tail = [], []
+        for b in reversed(self.tables.pop(rid, [])):
+            self.ref[b] -= 1
+            if self.ref[b] == 0:
+                (head if self.key[b] is None else tail).append(b)
+        self.num_cached.pop(rid, None)
+        self.free = head + self.free + tail
+
+    def reset(self):
+        if len(self.free) != self.num_blocks - 1:
+            return False
+        self.cache.clear()
+        self.key = [None] * self.num_blocks
+        return True
+
+
+def ids(blocks):
+    return None if blocks is None else [b.block_id for b in blocks]
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    # Few rules, each a whole scheduler action: Hypothesis switches rules off at random per
+    # run ("swarm testing"), and with many small rules runs that only add or reset dominate.
+    @initialize(num_blocks=st.integers(4, 16))
+    def setup(self, num_blocks):
+        self.mgr = KVCacheManager(num_blocks, BS, MAX_LEN)
+        self.model = ModelManager(num_blocks)
+        self.waiting, self.running, self.requests = [], [], {}
+        self.counter = 0
+
+    # Few distinct prompts and position-determined outputs: requests often repeat each
+    # other, so hits, duplicate cached blocks and their eviction all happen often.
+    @precondition(lambda self: len(self.waiting) < 3)
+    @rule(prefix=st.sampled_from(PREFIXES), cut=st.sampled_from([12, 12, 9, 8, 5, 1]),
+          suffix=st.lists(st.integers(1, 3), max_size=6), salt=st.sampled_from([None, None, None, "s"]))
+    def add(self, prefix, cut, suffix, salt):
+        req = Request(f"r{self.counter}", prefix[:cut] + suffix, cache_salt=salt)
+        self.counter += 1
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data(), chunk=st.integers(1, 40), lookahead=st.integers(0, 3))
+    def schedule_waiting(self, data, chunk, lookahead):
+        """Lookup + first allocation (whole or chunked prefill) of a waiting request."""
+        req = self.waiting[data.draw(st.integers(0, len(self.waiting) - 1))]
+        blocks, num_hit = self.mgr.get_computed_blocks(req)
+        model_hits = self.model.lookup(req)
+        assert ids(blocks) == model_hits and num_hit == len(model_hits) * BS
+        num_new = min(chunk, req.num_tokens - num_hit)
+        new = self.mgr.allocate_slots(req, num_new, num_hit, blocks, lookahead)
+        assert ids(new) == self.model.allocate(req, num_new, num_hit, model_hits, lookahead)
+        if new is not None:
+            self.waiting.remove(req)
+            self.running.append(req)
+            self._computed(req, num_hit + num_new)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), chunk=st.integers(1, 8), lookahead=st.integers(0, 2), repeat=st.integers(1, 6))
+    def step(self, data, chunk, lookahead, repeat):
+        """`repeat` engine steps; each advances the running requests a drawn mask selects."""
+        mask = data.draw(st.lists(st.booleans(), min_size=len(self.running), max_size=len(self.running)))
+        for _ in range(repeat):
+            for req, go in zip(list(self.running), mask):
+                if go and req in self.running:
+                    num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
+                    new = self.mgr.allocate_slots(req, num_new, num_lookahead_tokens=lookahead)
+                    assert ids(new) == self.model.allocate(req, num_new, 0, [], lookahead)
+                    if new is not None:
+                        self._computed(req, req.num_computed_tokens + num_new)
+            self.agrees_with_model()
+
+    def _computed(self, req, num_computed):
+        req.num_computed_tokens = num_computed
+        if num_computed == req.num_tokens:  # prefill done or a decode step: a token is sampled
+            if req.num_tokens >= MAX_LEN:
+                self._end(req)
+            else:
+                req.append_output_token_ids(1 + req.num_tokens % 3)
+
+    def _end(self, req):
+        self.mgr.free(req)
+        self.model.release(req.request_id)
+        self.running.remove(req)
+        del self.requests[req.request_id]
+
+    @rule(data=st.data(), kind=st.sampled_from(["finish", "finish", "preempt", "preempt", "abort", "reset"]))
+    def interrupt(self, data, kind):
+        """Finish or preempt a running request, abort a waiting one, or reset the cache."""
+        if kind == "reset":
+            assert self.mgr.reset_prefix_cache() == self.model.reset()
+            return
+        pool = self.running if kind != "abort" else self.waiting
+        if not pool:
+            return
+        req = pool[data.draw(st.integers(0, len(pool) - 1))]
+        if kind == "finish":
+            self._end(req)
+        elif kind == "preempt":  # recompute: free everything, back to the front of the queue
+            self.running.remove(req)
+            self.mgr.free(req)
+            self.model.release(req.request_id)
+            req.num_computed_tokens = 0
+            req.num_preemptions += 1
+            self.waiting.insert(0, req)
+        else:
+            self.waiting.remove(req)
+            self.mgr.free(req)  # holds nothing: a no-op
+            del self.requests[req.request_id]
+
+    @invariant()
+    def agrees_with_model(self):
+        if not hasattr(self, "mgr"):
+            return
+        self.mgr.check_invariants(self.requests)
+        pool = self.mgr.block_pool
+        assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == self.model.free
+        assert [b.ref_cnt for b in pool.blocks[1:]] == self.model.ref[1:]
+        assert len(pool.cached_block_hash_to_block) == len(self.model.cache)
+        for rid in self.requests:
+            assert self.mgr.get_block_ids(rid) == self.model.tables.get(rid, [])
+
+    def teardown(self):
+        if not hasattr(self, "mgr"):
+            return
+        for req in list(self.running):
+            self._end(req)
+        self.mgr.check_invariants()
+        assert self.mgr.get_num_free_blocks() == self.mgr.num_blocks - 1, "blocks leaked"
+        assert all(b.ref_cnt == 0 for b in self.mgr.block_pool.blocks), "references leaked"
+        assert not self.mgr.req_to_blocks and not self.mgr.num_cached_block, "per-request state leaked"
+
+
+# ~50 steps per example: thousands of steps under the "ci" profile (200 examples), a couple of
+# seconds under "dev" (30 examples).
+BlockManagerMachine.TestCase.settings = settings(stateful_step_count=50, deadline=None)
+TestBlockManager = BlockManagerMachine.TestCase
