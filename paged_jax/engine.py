@@ -1,0 +1,320 @@
+"""LLMEngine (add_request / step / abort_request) and the offline LLM.generate API.
+
+Shaped like vLLM's offline API so its users feel at home:
+
+    from paged_jax import LLM, SamplingParams
+    llm = LLM(model="tiny")
+    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+
+One step reads schedule -> run -> update; everything else (validation, detokenization,
+metrics) happens around it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import jax
+from flax import nnx
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from models.config import LlamaConfig
+from models.llama import LlamaForCausalLM
+from models.loader import load_hf_checkpoint
+from paged_jax.batch import StepInputsBuilder
+from paged_jax.kv_cache_manager import KVCacheManager, PrefixCacheStats
+from paged_jax.request import Request, SamplingParams
+from paged_jax.runner import ModelRunner, default_attention_impl, num_blocks_for_budget
+from paged_jax.scheduler import Scheduler
+from paged_jax.tokenizer import EMBEDDED_MODELS, Tokenizer
+
+# A default table width that stays cheap for long-context checkpoints (Llama 3 says 131072).
+DEFAULT_MAX_MODEL_LEN_CAP = 4096
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything LLMEngine needs; validated in __post_init__ (ValueError names the fix)."""
+
+    model: str = "tiny"  # an embedded name ("tiny") or a HF Llama directory
+    block_size: int = 16
+    num_blocks: int | None = None  # KV blocks incl. the null block; None: from the memory budget
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_model_len: int | None = None  # None: the model's, capped at DEFAULT_MAX_MODEL_LEN_CAP
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    hash_algo: str = "sha256"
+    dtype: str | None = None  # compute and KV dtype; None: the checkpoint's (tiny: float32)
+    attention_impl: str | None = None  # None: "pallas" on GPU, "xla" elsewhere
+    interpret: bool = False  # Pallas in interpret mode (CPU tests of the kernel path)
+    long_prefill_token_threshold: int = 0
+    seed: int = 0  # weights of embedded models, and unseeded sampling
+    warm_up: bool = True
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size={self.block_size} must be a power of two (16 is vLLM's default)")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1 (or None for the model's)")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks={self.num_blocks} must be >= 2: block 0 is the null block")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.attention_impl not in (None, "xla", "pallas"):
+            raise ValueError(f"attention_impl={self.attention_impl!r} must be None, 'xla' or 'pallas'")
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0  # prefix-cache hit tokens at the first schedule
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: str | None  # "stop", "length", "abort"; None while running
+    stop_reason: int | None = None
+
+
+@dataclass
+class RequestOutput:
+    """vLLM's RequestOutput: one per prompt; `text`, `token_ids` and `finish_reason` are
+    shortcuts to its single completion."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(repr=False, default=None)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+def load_model(model: str, dtype: str | None, seed: int) -> LlamaForCausalLM:
+    """An embedded preset with random weights (seeded) or a HF Llama checkpoint directory."""
+    if model in EMBEDDED_MODELS:
+        config = LlamaConfig.from_preset(model)
+        if dtype is not None:
+            config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
+        return LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
+    return load_hf_checkpoint(model, dtype=dtype)
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache: add_request, step, abort_request."""
+
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None, tokenizer: Tokenizer | None = None):
+        self.config = c = config
+        self.model = model if model is not None else load_model(c.model, c.dtype, c.seed)
+        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_model(c.model)
+        mc = self.model.config
+        self.max_model_len = c.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{mc.max_position_embeddings}; lower it")
+        num_blocks = num_blocks_for_budget(
+            mc, c.block_size, c.dtype, num_blocks=c.num_blocks, kv_cache_memory_bytes=c.kv_cache_memory_bytes,
+            gpu_memory_utilization=c.gpu_memory_utilization, max_num_seqs=c.max_num_seqs,
+            max_model_len=self.max_model_len)
+        self.kv_cache_manager = KVCacheManager(num_blocks, c.block_size, self.max_model_len,
+                                               enable_caching=c.enable_prefix_caching, hash_algo=c.hash_algo)
+        self.scheduler = Scheduler(self.kv_cache_manager, c.max_num_seqs, c.max_num_batched_tokens,
+                                   self.max_model_len, c.block_size, c.long_prefill_token_threshold)
+        self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=c.block_size,
+                                  max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs,
+                                  max_num_batched_tokens=c.max_num_batched_tokens,
+                                  attention_impl=c.attention_impl or default_attention_impl(),
+                                  interpret=c.interpret, kv_cache_dtype=c.dtype)
+        self.input_builder = StepInputsBuilder(block_size=c.block_size, max_blocks_per_seq=self.runner.max_blocks_per_seq,
+                                               token_buckets=self.runner.token_buckets,
+                                               seq_buckets=self.runner.seq_buckets, seed=c.seed)
+        # Generation stops on any of the model's EOS ids (Llama 3 instruct lists several).
+        eos_ids = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
+        self._eos_token_id = eos_ids[0] if eos_ids else None
+        self._extra_eos_ids = tuple(eos_ids[1:])
+        self._live: dict[str, tuple[Request, RequestOutput]] = {}
+        self._prefix_totals = PrefixCacheStats()
+        self.peak_kv_usage = 0.0
+        self.num_generated_tokens = 0
+        if c.warm_up:
+            self.runner.warm_up()
+
+    # requests
+    def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                    *, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
+        """Queues one request. Raises ValueError (naming the fix) for bad input; other
+        requests are unaffected."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        if isinstance(prompt, str):
+            text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, prompt_token_ids = None, [int(t) for t in prompt]
+            vocab = self.model.config.vocab_size
+            bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                                 f"[0, {vocab}); tokenize with this model's tokenizer")
+        params = sampling_params or SamplingParams()
+        if self._extra_eos_ids and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + self._extra_eos_ids)
+        request = Request(request_id, prompt_token_ids, params, cache_salt=cache_salt,
+                          eos_token_id=self._eos_token_id, arrival_time=arrival_time)
+        self.scheduler.add_request(request)  # ValueError: duplicate id, too long, can never fit
+        self._live[request_id] = request, RequestOutput(
+            request_id, text, request.prompt_token_ids,
+            [CompletionOutput(0, "", [], [] if params.logprobs else None, None)], False,
+            RequestMetrics(request.arrival_time))
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request and frees its blocks; False if it is unknown or already done."""
+        if not self.scheduler.abort_request(request_id):
+            return False
+        _, output = self._live.pop(request_id)
+        output.outputs[0].finish_reason, output.finished = "abort", True
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # one step
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs one jitted step and applies its tokens; returns the outputs of
+        the requests that got a token (finished ones have finished=True)."""
+        scheduler_output = self.scheduler.schedule()
+        token_ids, logprobs = self.runner.execute(self.input_builder.build(scheduler_output))
+        return self._make_outputs(self.scheduler.update_from_output(scheduler_output, token_ids, logprobs))
+
+    def _make_outputs(self, core_outputs) -> list[RequestOutput]:
+        now = time.time()
+        self.peak_kv_usage = max(self.peak_kv_usage, self.kv_cache_manager.usage)
+        results = []
+        for core in core_outputs:
+            request, output = self._live[core.request_id]
+            completion = output.outputs[0]
+            completion.token_ids.extend(core.new_token_ids)
+            if core.new_logprobs is not None:
+                completion.logprobs.extend(core.new_logprobs)
+            self.num_generated_tokens += len(core.new_token_ids)
+            metrics = output.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                metrics.num_cached_tokens = max(core.num_cached_tokens, 0)
+            if core.finish_reason is not None:
+                completion.finish_reason, completion.stop_reason = core.finish_reason, core.stop_reason
+                completion.text = self.tokenizer.decode(completion.token_ids)
+                output.finished, metrics.finished_time = True, now
+                metrics.num_preemptions = request.num_preemptions
+                del self._live[core.request_id]
+            results.append(output)
+        return results
+
+    def get_stats(self) -> dict:
+        """KV usage (now and peak), prefix-cache hit rate, preemptions, compilations, steps."""
+        interval, prefix = self.kv_cache_manager.make_prefix_cache_stats(), self._prefix_totals
+        for name in ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits"):
+            setattr(prefix, name, getattr(prefix, name) + getattr(interval, name))
+        return {
+            **self.scheduler.get_stats(),
+            "peak_kv_cache_usage": self.peak_kv_usage,
+            "prefix_cache_queries": prefix.queries,
+            "prefix_cache_hits": prefix.hits,
+            "prefix_cache_hit_rate": prefix.hit_rate,
+            "num_compilations": self.runner.num_compilations,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_blocks": self.runner.num_blocks,
+            "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "attention_impl": self.runner.attention_impl,
+            "backend": jax.default_backend(),
+        }
+
+
+class LLM:
+    """The offline API: LLM(model=...).generate(prompts, sampling_params).
+
+    Args:
+      model: "tiny" (embedded, random weights, packaged tokenizer) or a HF Llama directory.
+      **engine_args: any EngineConfig field (block_size, num_blocks, max_model_len,
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, dtype, attention_impl...).
+    """
+
+    def __init__(self, model: str = "tiny", **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._next_id = itertools.count()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs every prompt to completion; returns one finished RequestOutput per prompt, in order.
+
+        Args:
+          prompts: a string, a list of token ids, or a list of either.
+          sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
+          use_tqdm: show a progress bar (vLLM's name for it; drawn with rich).
+        Raises:
+          ValueError if any prompt or its parameters are invalid; nothing is left queued then.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts; "
+                             "pass one for all or one per prompt")
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, sampling_params):
+                request_id = f"generate-{next(self._next_id)}"
+                self.engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except ValueError as error:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise ValueError(f"prompt {len(request_ids)}: {error}") from error
+        wanted, finished = set(request_ids), {}
+        with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      disable=not use_tqdm, transient=True) as progress:
+            task = progress.add_task("generate", total=len(request_ids))
+            while len(finished) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        progress.advance(task)
+        return [finished[request_id] for request_id in request_ids]
+
+    def stats(self) -> dict:
+        """KV usage (now and peak), prefix hit rate, preemptions, compilations: see LLMEngine.get_stats."""
+        return self.engine.get_stats()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
