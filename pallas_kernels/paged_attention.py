@@ -314,31 +314,32 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                                     sm_scale=None, impl=None, interpret=False):
+                                     sm_scale=None, impl=None, interpret=False, config=None):
     """Dense per-sequence causal attention over K/V gathered from the pages (float32 softmax).
 
-    Same arguments as `ragged_paged_attention` (impl and interpret are ignored); needs
-    concrete arrays, not tracers. Padding rows of the output are zero.
+    Same arguments as `ragged_paged_attention` (impl, interpret and config are ignored).
+    Sequence i attends with every token row and keeps the rows it owns, so all shapes are
+    those of the bucket and eager calls compile once per bucket. Padding rows are zero.
     """
-    del impl, interpret
+    del impl, interpret, config
     _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, "xla")
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    seq_lens, query_start_loc = np.asarray(seq_lens), np.asarray(query_start_loc)
+    token = jnp.arange(num_tokens)
+    key_pos = jnp.arange(block_tables.shape[1] * block_size)
     out = jnp.zeros(q.shape, jnp.float32)
     for i in range(int(np.asarray(num_seqs).reshape(()))):
-        start, end, seq_len = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(seq_lens[i])
-        num_pages = -(-seq_len // block_size)
-        pages = block_tables[i, :num_pages]
-        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].astype(jnp.float32)  # [L, K, D]
-        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:seq_len].astype(jnp.float32)
+        start, end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
+        k = k_cache[block_tables[i]].reshape(-1, num_kv_heads, head_dim).astype(jnp.float32)  # [L, K, D]
+        v = v_cache[block_tables[i]].reshape(-1, num_kv_heads, head_dim).astype(jnp.float32)
+        v = jnp.where((key_pos < seq_len)[:, None, None], v, 0.0)  # unowned slots may be NaN
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [L, H, D]
-        qi = q[start:end].astype(jnp.float32)  # [Q, H, D]
-        q_pos = seq_len - (end - start) + jnp.arange(end - start)
-        scores = jnp.einsum("QHD,LHD->HQL", qi, k) * sm_scale  # Q = query token, L = key position, H = head
-        causal = jnp.arange(seq_len)[None, :] <= q_pos[:, None]
-        weights = jax.nn.softmax(jnp.where(causal[None], scores, -jnp.inf), axis=-1)
-        out = out.at[start:end].set(jnp.einsum("HQL,LHD->QHD", weights, v))
+        q_pos = seq_len - (end - start) + (token - start)  # [T]
+        visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len)  # [T, L]
+        scores = jnp.einsum("THD,LHD->HTL", q.astype(jnp.float32), k) * sm_scale  # T token, L key, H head
+        weights = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
+        owned = (token >= start) & (token < end)
+        out = jnp.where(owned[:, None, None], jnp.einsum("HTL,LHD->THD", weights, v), out)
     return out.astype(q.dtype)

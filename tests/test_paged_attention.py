@@ -1,0 +1,239 @@
+"""Ragged paged attention: both impls against the jnp reference and a float64 numpy one.
+
+Every batch is built the hostile way: pages are a random permutation of the pool, every
+slot nobody owns (foreign pages, the null page, the tail of a last page) is NaN, and the
+buckets carry padded tokens and padded sequences. The Pallas kernel runs in interpret mode.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pallas_kernels.paged_attention import (
+    PallasConfig,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
+
+# Output tolerance vs the float64 numpy reference, per dtype. bf16 inputs are compared with
+# the same bf16-rounded values; the error left is the bf16 output and the bf16 probabilities
+# the kernels feed to the P @ V product.
+TOLERANCE = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def build_batch(rng, q_lens, seq_lens, *, num_q_heads, num_kv_heads, head_dim, block_size, dtype,
+                num_tokens, max_num_seqs, max_blocks_per_seq, num_blocks=None):
+    """Numpy arrays of a ragged batch in the engine's padded layout, unowned slots NaN.
+
+    num_blocks defaults to room for every sequence's table plus 3 foreign pages; tests that
+    draw many batches fix it so that one bucket compiles once.
+    """
+    assert len(q_lens) == len(seq_lens) <= max_num_seqs and sum(q_lens) <= num_tokens
+    pages_needed = [cdiv(n, block_size) for n in seq_lens]
+    assert max(pages_needed) <= max_blocks_per_seq
+    num_blocks = num_blocks or 4 + max_num_seqs * max_blocks_per_seq
+    assert num_blocks > sum(pages_needed)
+    pool = iter(rng.permutation(np.arange(1, num_blocks)))  # page 0 is the null page
+    block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = np.full(cache_shape, np.nan), np.full(cache_shape, np.nan)
+    for i, seq_len in enumerate(seq_lens):
+        block_tables[i, : pages_needed[i]] = [next(pool) for _ in range(pages_needed[i])]
+        for pos in range(seq_len):
+            page, offset = block_tables[i, pos // block_size], pos % block_size
+            k_cache[page, offset] = rng.standard_normal((num_kv_heads, head_dim))
+            v_cache[page, offset] = rng.standard_normal((num_kv_heads, head_dim))
+    query_start_loc = np.full(max_num_seqs + 1, sum(q_lens), np.int32)  # padded sequences repeat the end
+    query_start_loc[: len(q_lens) + 1] = np.concatenate([[0], np.cumsum(q_lens)])
+    seq_lens_arr = np.zeros(max_num_seqs, np.int32)
+    seq_lens_arr[: len(seq_lens)] = seq_lens
+    q = rng.standard_normal((num_tokens, num_q_heads, head_dim))  # padded token rows are random too
+    # Round through the dtype so that the float64 reference sees exactly the kernel's inputs.
+    q, k_cache, v_cache = (np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
+                           for x in (q, k_cache, v_cache))
+    return q, k_cache, v_cache, block_tables, seq_lens_arr, query_start_loc, np.int32(len(q_lens))
+
+
+def attention_f64(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs):
+    """Independent float64 numpy attention: token by token, head by head, from slot arithmetic."""
+    _, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = np.zeros_like(q)
+    for i in range(num_seqs):
+        rows = np.arange(query_start_loc[i], query_start_loc[i + 1])
+        seq_len = seq_lens[i]
+        pos = np.arange(seq_len)
+        pages, offsets = block_tables[i, pos // block_size], pos % block_size
+        k, v = k_cache[pages, offsets], v_cache[pages, offsets]  # [L, num_kv_heads, D]
+        for j, row in enumerate(rows):
+            q_pos = seq_len - len(rows) + j
+            for h in range(num_q_heads):
+                kv_head = h // (num_q_heads // num_kv_heads)
+                logits = k[: q_pos + 1, kv_head] @ q[row, h] / np.sqrt(head_dim)
+                weights = np.exp(logits - logits.max())
+                out[row, h] = weights @ v[: q_pos + 1, kv_head] / weights.sum()
+    return out
+
+
+def check_batch(batch, dtype, impls=("xla", "pallas"), config=None, with_reference=True):
+    """Run the impls (and the jnp reference) on one batch and compare every real row."""
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs = batch
+    expected = attention_f64(*batch)
+    args = (jnp.asarray(q, dtype), jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype),
+            jnp.asarray(block_tables), jnp.asarray(seq_lens), jnp.asarray(query_start_loc), jnp.asarray(num_seqs))
+    real = slice(0, int(query_start_loc[num_seqs]))
+    tol = TOLERANCE[dtype]
+    if with_reference:
+        reference = np.asarray(ragged_paged_attention_reference(*args).astype(jnp.float32))
+        np.testing.assert_allclose(reference[real], expected[real], **tol, err_msg="jnp reference vs float64")
+    for impl in impls:
+        out = ragged_paged_attention(*args, impl=impl, interpret=True, config=config)
+        assert out.shape == q.shape and out.dtype == dtype
+        out = np.asarray(out.astype(jnp.float32))
+        # NaN pages must not leak anywhere, not even into padding rows.
+        assert np.isfinite(out).all(), f"{impl}: non-finite output rows {np.where(~np.isfinite(out))[0]}"
+        np.testing.assert_allclose(out[real], expected[real], **tol, err_msg=f"{impl} vs float64")
+        if with_reference:
+            np.testing.assert_allclose(out[real], reference[real], **tol, err_msg=f"{impl} vs reference")
+
+
+def scenario(name, block_size, rng):
+    """(q_lens, seq_lens) of a decode-only, prefill-only or mixed batch."""
+    bs = block_size
+    if name == "decode":  # lengths 1, bs - 1, exact multiples, and a random one
+        seq_lens = [1, bs - 1, bs, 2 * bs, int(rng.integers(2, 3 * bs))]
+        return [1] * len(seq_lens), seq_lens
+    if name == "prefill":  # no cached context: q_len == seq_len
+        seq_lens = [bs - 1, bs, 2 * bs + 5, 3]
+        return seq_lens, seq_lens
+    # mixed: chunked prefill on cached context, decodes, a fresh prefill, a 2-token chunk at a page edge
+    return [bs + 3, 1, bs - 1, 1, 2], [3 * bs + 3, bs + 1, bs - 1, 1, bs]
+
+
+SHAPES = [  # (num_q_heads, num_kv_heads, head_dim, block_size, dtype)
+    (4, 4, 64, 16, jnp.float32),  # MHA
+    (8, 2, 128, 16, jnp.bfloat16),  # GQA 4
+    (8, 1, 64, 32, jnp.float32),  # MQA (group 8)
+    (16, 2, 64, 16, jnp.bfloat16),  # GQA 8
+    (4, 1, 128, 32, jnp.bfloat16),  # MQA (group 4)
+    (8, 2, 64, 32, jnp.float32),  # GQA 4
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"q{s[0]}kv{s[1]}d{s[2]}bs{s[3]}{jnp.dtype(s[4]).name}")
+@pytest.mark.parametrize("name", ["decode", "prefill", "mixed"])
+def test_ragged_batches(shape, name):
+    num_q_heads, num_kv_heads, head_dim, block_size, dtype = shape
+    rng = np.random.default_rng(10 * SHAPES.index(shape) + ["decode", "prefill", "mixed"].index(name))
+    q_lens, seq_lens = scenario(name, block_size, rng)
+    # One bucket for all three scenarios: padded tokens and padded sequences always present.
+    batch = build_batch(rng, q_lens, seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                        head_dim=head_dim, block_size=block_size, dtype=dtype, num_tokens=4 * block_size + 16, max_num_seqs=8,
+                        max_blocks_per_seq=cdiv(128, block_size))
+    check_batch(batch, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_long_context_xla(dtype):
+    rng = np.random.default_rng(7)
+    # decodes at 1100 and 2048, a 64-token chunk on 1024 cached tokens, a 1-token sequence
+    batch = build_batch(rng, [1, 64, 1, 1], [1100, 1088, 2048, 1], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                        block_size=16, dtype=dtype, num_tokens=80, max_num_seqs=6, max_blocks_per_seq=130)
+    check_batch(batch, dtype, impls=("xla",))
+
+
+def test_long_context_pallas():
+    rng = np.random.default_rng(8)
+    batch = build_batch(rng, [1, 20, 1], [1030, 1044, 7], num_q_heads=4, num_kv_heads=1, head_dim=64,
+                        block_size=32, dtype=jnp.float32, num_tokens=24, max_num_seqs=4, max_blocks_per_seq=34)
+    check_batch(batch, jnp.float32, impls=("pallas",))
+
+
+@pytest.mark.parametrize("config", [
+    PallasConfig(decode_block_k=32, decode_num_splits=4, prefill_rows=16, prefill_block_k=32),
+    PallasConfig(decode_block_k=16, decode_num_splits=1, prefill_rows=128, prefill_block_k=16),
+], ids=["split4", "nosplit"])
+def test_pallas_launch_configs(config):
+    """Context splits and tile sizes other than the defaults compute the same attention."""
+    rng = np.random.default_rng(9)
+    batch = build_batch(rng, [1, 9, 1, 1], [200, 150, 16, 33], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                        block_size=16, dtype=jnp.float32, num_tokens=16, max_num_seqs=5, max_blocks_per_seq=13)
+    check_batch(batch, jnp.float32, impls=("pallas",), config=config)
+
+
+@given(data=st.data())
+def test_random_ragged_batches(data):
+    """Random mixes of decodes, fresh prefills and chunks on cached context in one fixed bucket."""
+    num_seqs = data.draw(st.integers(1, 5), label="num_seqs")
+    q_lens = data.draw(st.lists(st.integers(1, 12), min_size=num_seqs, max_size=num_seqs), label="q_lens")
+    cached = data.draw(st.lists(st.integers(0, 60), min_size=num_seqs, max_size=num_seqs), label="cached")
+    seed = data.draw(st.integers(0, 2**31), label="seed")
+    q_lens = [min(n, 28 // num_seqs) for n in q_lens]
+    batch = build_batch(np.random.default_rng(seed), q_lens, [n + c for n, c in zip(q_lens, cached)],
+                        num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.float32,
+                        num_tokens=32, max_num_seqs=6, max_blocks_per_seq=5)
+    # The eager jnp reference would compile per distinct length; the float64 one is the oracle here.
+    check_batch(batch, jnp.float32, with_reference=False)
+
+
+def _args(num_tokens=8, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, max_num_seqs=4, dtype=jnp.float32):
+    return [jnp.zeros((num_tokens, num_q_heads, head_dim), dtype),
+            jnp.zeros((10, block_size, num_kv_heads, head_dim), dtype),
+            jnp.zeros((10, block_size, num_kv_heads, head_dim), dtype),
+            jnp.zeros((max_num_seqs, 3), jnp.int32), jnp.zeros((max_num_seqs,), jnp.int32),
+            jnp.zeros((max_num_seqs + 1,), jnp.int32), jnp.int32(0)]
+
+
+def _replace(args, index, value):
+    args = list(args)
+    args[index] = value
+    return args
+
+
+@pytest.mark.parametrize("args, impl, match", [
+    (_args(num_q_heads=6, num_kv_heads=4), "xla", "multiple of num_kv_heads"),
+    (_replace(_args(), 0, jnp.zeros((8, 8, 64), jnp.bfloat16)), "xla", "share one dtype"),
+    (_replace(_args(), 2, jnp.zeros((10, 16, 2, 32))), "xla", "v_cache must have k_cache's shape"),
+    (_replace(_args(), 0, jnp.zeros((8, 8, 32))), "xla", "head_dim"),
+    (_replace(_args(), 3, jnp.zeros((4, 3), jnp.int16)), "xla", "block_tables must be int32"),
+    (_replace(_args(), 4, jnp.zeros((5,), jnp.int32)), "xla", "seq_lens must be i32"),
+    (_replace(_args(), 5, jnp.zeros((4,), jnp.int32)), "xla", "query_start_loc must be i32"),
+    (_replace(_args(), 6, jnp.float32(1)), "xla", "num_seqs must be an int32"),
+    (_args(block_size=24), "pallas", "block_size=24 must be a power of two"),
+    (_args(head_dim=96), "pallas", "head_dim=96 must be a power of two"),
+    (_args(), "cuda", "impl='cuda' is not one of"),
+])
+def test_bad_input_raises_with_fix(args, impl, match):
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention(*args, impl=impl, interpret=True)
+
+
+def test_xla_accepts_shapes_the_kernel_cannot_tile():
+    """block_size 24 and head_dim 96 are refused by the Pallas kernel but fine for impl='xla'."""
+    rng = np.random.default_rng(10)
+    batch = build_batch(rng, [3, 1], [50, 30], num_q_heads=6, num_kv_heads=3, head_dim=96, block_size=24,
+                        dtype=jnp.float32, num_tokens=6, max_num_seqs=3, max_blocks_per_seq=3)
+    check_batch(batch, jnp.float32, impls=("xla",))
+
+
+def test_jits_with_traced_num_seqs_and_custom_scale():
+    """num_seqs as i32[1] under an outer jit, and an explicit sm_scale, match the reference."""
+    rng = np.random.default_rng(11)
+    q, k, v, tables, seq_lens, qsl, num_seqs = build_batch(
+        rng, [4, 1], [20, 9], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=jnp.float32,
+        num_tokens=8, max_num_seqs=3, max_blocks_per_seq=2)
+    args = [jnp.asarray(x, jnp.float32) for x in (q, k, v)] + [jnp.asarray(x) for x in (tables, seq_lens, qsl)]
+    args.append(jnp.asarray([num_seqs], jnp.int32))
+    expected = ragged_paged_attention_reference(*args, sm_scale=0.3)
+    for impl in ("xla", "pallas"):
+        step = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.3, impl=impl, interpret=True))
+        np.testing.assert_allclose(np.asarray(step(*args))[:5], np.asarray(expected)[:5], atol=2e-5, rtol=2e-5)
