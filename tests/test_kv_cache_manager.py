@@ -413,3 +413,4 @@ def test_invariant_check_catches_a_leaked_reference():
     mgr.block_pool.blocks[2].ref_cnt += 1  # a bug: a reference nobody holds
     with pytest.raises(AssertionError, match="block 2 ref_cnt=2 but 1 live requests hold it"):
         mgr.check_invariants()
+
