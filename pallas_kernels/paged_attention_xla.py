@@ -1,15 +1,13 @@
 """Ragged paged attention in plain XLA (impl="xla"): the fast CPU path.
 
-The query tokens of every sequence are cut into query blocks of `block_q` rows; a query
-block belongs to exactly one sequence, so it gathers that sequence's pages once and all
-its rows (and all query heads of a KV group) share them. The context is walked in chunks
-of CONTEXT_CHUNK_TOKENS keys with an online softmax, which bounds memory at
-num_query_blocks x chunk x num_kv_heads x head_dim whatever max_model_len is, and the walk
-stops at the longest sequence of the batch rather than at the block-table width.
-
-Two block sizes are compiled, and a lax.cond picks one per call: block_q = 1 when every
-sequence decodes (one query token each: no padded rows at all), PREFILL_QUERY_BLOCK
-otherwise (prefill chunks amortise each gathered page over up to 16 query rows).
+The query tokens of every sequence are cut into query blocks, one sequence per block, so a
+block gathers its sequence's pages once for all its rows and all query heads of a KV group.
+Decoding sequences (one token) form blocks of one row; prefill chunks form blocks of
+PREFILL_QUERY_BLOCK rows. Both paths always run, but every loop trip count is dynamic:
+an outer loop walks groups of real blocks only (padding blocks of the bucket cost nothing)
+and an inner loop walks the context in chunks of CONTEXT_CHUNK_TOKENS keys with an online
+softmax, up to the longest context of the group rather than the block-table width. Memory
+is bounded by one group's chunk, group_blocks x chunk x num_kv_heads x head_dim.
 
 Einsum legend: B = query block, Q = query row in the block, K = KV head, G = query head
 within the KV group, D = head_dim, C = key position within the context chunk.
@@ -28,46 +26,41 @@ from pallas_kernels.ragged_batch import cdiv, query_blocks, ragged_batch, token_
 
 # Finite, so a row with every key masked (a padding row) gives a finite output, not NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-PREFILL_QUERY_BLOCK = 16
+DECODE_GROUP = 32  # decoding sequences per outer step
+PREFILL_QUERY_BLOCK = 32  # query tokens per prefill block
+PREFILL_GROUP = 8  # prefill blocks per outer step
 CONTEXT_CHUNK_TOKENS = 512
 
 
-def _attend_query_blocks(q, k_cache, v_cache, block_tables, batch, sm_scale, *, block_q):
-    """Attention for all query tokens, grouped in query blocks of `block_q` rows.
+def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_scale):
+    """Attention of one group of query blocks over their pages, chunk by chunk.
 
     Args:
       q: [num_tokens, num_q_heads, head_dim].
       k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
-      block_tables: i32[max_num_seqs, max_blocks_per_seq].
-      batch: RaggedBatch of the call.
+      tables: i32[B, W'], each block's sequence's block table, W' whole chunks of pages.
+      q_pos0, num_rows: i32[B], first query position and real rows (0: padding block).
+      row_token: i32[B, Q], the token row of each query row.
 
     Returns:
-      [num_tokens, num_q_heads, head_dim] in q.dtype; rows of padding tokens are finite.
+      f32[B, Q, num_q_heads, head_dim]; rows past num_rows are finite garbage.
     """
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks_g, block_q = row_token.shape
+    _, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    max_num_seqs, max_blocks_per_seq = block_tables.shape
     group = num_q_heads // num_kv_heads
-    # Every sequence wastes at most one partial block, so this many blocks always suffice.
-    num_query_blocks = min(cdiv(num_tokens, block_q) + max_num_seqs, num_tokens)
-    blocks = query_blocks(batch, batch.q_lens, num_query_blocks, block_q)
-    q_pos = blocks.q_pos0[:, None] + jnp.arange(block_q)[None, :]  # [B, Q]
-    # Keys past the block's last query position are never visible to it.
-    kv_end = blocks.q_pos0 + blocks.num_rows  # [B]
-
-    q_blocks = q[blocks.row_token].reshape(num_query_blocks, block_q, num_kv_heads, group, head_dim)
-    chunk_pages = max(1, min(max_blocks_per_seq, CONTEXT_CHUNK_TOKENS // block_size))
-    num_chunks_max = cdiv(max_blocks_per_seq, chunk_pages)
-    # Pad the table width to whole chunks with the null page (never -1).
-    tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks_max * chunk_pages - max_blocks_per_seq)))
-    tables = tables[blocks.seq]  # [B, W']
+    chunk_pages = min(tables.shape[1], max(1, CONTEXT_CHUNK_TOKENS // block_size))
     chunk_len = chunk_pages * block_size
+    q_blocks = q[row_token].reshape(num_blocks_g, block_q, num_kv_heads, group, head_dim)
+    q_pos = q_pos0[:, None] + jnp.arange(block_q)[None, :]  # [B, Q]
+    # Keys past the block's last query position are never visible to it.
+    kv_end = q_pos0 + num_rows  # [B]
 
     def chunk_step(chunk, carry):
         m_prev, l_prev, acc_prev = carry  # [B, K, G, Q], [B, K, G, Q], [B, K, G, Q, D]
         pages = lax.dynamic_slice_in_dim(tables, chunk * chunk_pages, chunk_pages, axis=1)
-        k = k_cache[pages].reshape(num_query_blocks, chunk_len, num_kv_heads, head_dim)
-        v = v_cache[pages].reshape(num_query_blocks, chunk_len, num_kv_heads, head_dim)
+        k = k_cache[pages].reshape(num_blocks_g, chunk_len, num_kv_heads, head_dim)
+        v = v_cache[pages].reshape(num_blocks_g, chunk_len, num_kv_heads, head_dim)
         key_pos = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)  # [C]
         key_valid = key_pos[None, :] < kv_end[:, None]  # [B, C]
         # Slots past seq_len and pages of other sequences may hold NaN: a zero weight times
@@ -83,27 +76,62 @@ def _attend_query_blocks(q, k_cache, v_cache, block_tables, batch, sm_scale, *, 
         pv = jnp.einsum("BKGQC,BCKD->BKGQD", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_next, l_next, acc_prev * correction[..., None] + pv
 
-    stat_shape = (num_query_blocks, num_kv_heads, group, block_q)
-    carry = (
-        jnp.full(stat_shape, MASK_VALUE, jnp.float32),
-        jnp.zeros(stat_shape, jnp.float32),
-        jnp.zeros((*stat_shape, head_dim), jnp.float32),
-    )
-    # Stop at the longest context in the batch, not at the table width (max_model_len).
-    num_chunks = jnp.minimum(cdiv(jnp.max(kv_end), chunk_len), num_chunks_max)
+    stat_shape = (num_blocks_g, num_kv_heads, group, block_q)
+    carry = (jnp.full(stat_shape, MASK_VALUE, jnp.float32), jnp.zeros(stat_shape, jnp.float32),
+             jnp.zeros((*stat_shape, head_dim), jnp.float32))
+    # Stop at the longest context of the group, not at the table width (max_model_len).
+    num_chunks = jnp.minimum(cdiv(jnp.max(kv_end), chunk_len), tables.shape[1] // chunk_pages)
     _, l_final, acc = lax.fori_loop(0, num_chunks, chunk_step, carry)
-    out_blocks = acc / jnp.maximum(l_final, 1e-30)[..., None]  # [B, K, G, Q, D]
-    out_blocks = out_blocks.transpose(0, 3, 1, 2, 4).reshape(num_query_blocks * block_q, num_q_heads, head_dim)
-    rows = token_block_rows(batch, blocks, token_sequence(batch, num_tokens), block_q)
-    return out_blocks[rows].astype(q.dtype)
+    out = acc / jnp.maximum(l_final, 1e-30)[..., None]  # [B, K, G, Q, D]
+    return out.transpose(0, 3, 1, 2, 4).reshape(num_blocks_g, block_q, num_q_heads, head_dim)
+
+
+def _attend_blocks(q, k_cache, v_cache, block_tables, batch, q_lens, sm_scale, *, block_q, num_blocks,
+                   group_blocks):
+    """Attention for the tokens of `q_lens` (a subset of the batch) in blocks of block_q rows.
+
+    Returns (f32[num_blocks' * block_q, num_q_heads, head_dim], QueryBlocks), the rows in
+    block order; num_blocks' rounds the static bound num_blocks up to whole groups.
+    """
+    _, num_q_heads, head_dim = q.shape
+    block_size = k_cache.shape[1]
+    max_blocks_per_seq = block_tables.shape[1]
+    num_groups = cdiv(num_blocks, group_blocks)
+    blocks = query_blocks(batch, q_lens, num_groups * group_blocks, block_q)
+    chunk_pages = min(max_blocks_per_seq, max(1, CONTEXT_CHUNK_TOKENS // block_size))
+    # Pad the table width to whole chunks with the null page (never -1).
+    tables = jnp.pad(block_tables, ((0, 0), (0, cdiv(max_blocks_per_seq, chunk_pages) * chunk_pages
+                                             - max_blocks_per_seq)))
+
+    def group_step(g, out):
+        take = functools.partial(lax.dynamic_slice_in_dim, start_index=g * group_blocks, slice_size=group_blocks)
+        out_g = _attend_group(q, k_cache, v_cache, tables[take(blocks.seq)], take(blocks.q_pos0),
+                              take(blocks.num_rows), take(blocks.row_token), sm_scale)
+        return lax.dynamic_update_slice_in_dim(out, out_g, g * group_blocks, axis=0)
+
+    # Real blocks are packed first: walk only the groups that hold some.
+    num_real_groups = cdiv(jnp.sum(cdiv(q_lens, block_q)), group_blocks)
+    out = jnp.zeros((num_groups * group_blocks, block_q, num_q_heads, head_dim), jnp.float32)
+    out = lax.fori_loop(0, num_real_groups, group_step, out)
+    return out.reshape(-1, num_q_heads, head_dim), blocks
 
 
 def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, sm_scale):
     """Gather-based ragged paged attention; arguments as in `ragged_paged_attention`."""
+    num_tokens = q.shape[0]
+    max_num_seqs = block_tables.shape[0]
     batch = ragged_batch(seq_lens, query_start_loc, num_seqs)
-    attend = functools.partial(_attend_query_blocks, q, k_cache, v_cache, block_tables, batch, sm_scale)
-    return lax.cond(
-        jnp.max(batch.q_lens) <= 1,
-        functools.partial(attend, block_q=1),
-        functools.partial(attend, block_q=min(PREFILL_QUERY_BLOCK, q.shape[0])),
-    )
+    token_seq = token_sequence(batch, num_tokens)
+    attend = functools.partial(_attend_blocks, q, k_cache, v_cache, block_tables, batch, sm_scale=sm_scale)
+    # decode: one single-row block per decoding sequence
+    out_decode, decode = attend(jnp.where(batch.q_lens == 1, 1, 0), block_q=1, num_blocks=max_num_seqs,
+                                group_blocks=min(DECODE_GROUP, max_num_seqs))
+    # prefill chunks: each sequence of >= 2 tokens wastes at most one partial block
+    block_q = min(PREFILL_QUERY_BLOCK, num_tokens)
+    num_blocks = cdiv(num_tokens, block_q) + min(max_num_seqs, num_tokens // 2)
+    out_prefill, prefill = attend(jnp.where(batch.q_lens >= 2, batch.q_lens, 0), block_q=block_q,
+                                  num_blocks=num_blocks, group_blocks=min(PREFILL_GROUP, num_blocks))
+    is_decode = (batch.q_lens[token_seq] == 1)[:, None, None]
+    out = jnp.where(is_decode, out_decode[token_block_rows(batch, decode, token_seq, 1)],
+                    out_prefill[token_block_rows(batch, prefill, token_seq, block_q)])
+    return out.astype(q.dtype)

@@ -151,6 +151,17 @@ def test_long_context_xla(dtype):
     check_batch(batch, dtype, impls=("xla",))
 
 
+def test_many_sequences_xla():
+    """More decodes and prefill blocks than one outer group of the xla path holds."""
+    rng = np.random.default_rng(12)
+    decode_lens = [int(n) for n in rng.integers(1, 100, 40)]
+    q_lens = [1] * 20 + [300] + [1] * 20 + [40]
+    seq_lens = decode_lens[:20] + [320] + decode_lens[20:] + [40]
+    batch = build_batch(rng, q_lens, seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                        dtype=jnp.float32, num_tokens=384, max_num_seqs=48, max_blocks_per_seq=21, num_blocks=256)
+    check_batch(batch, jnp.float32, impls=("xla",), with_reference=False)
+
+
 def test_long_context_pallas():
     rng = np.random.default_rng(8)
     batch = build_batch(rng, [1, 20, 1], [1030, 1044, 7], num_q_heads=4, num_kv_heads=1, head_dim=64,
