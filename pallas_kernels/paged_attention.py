@@ -39,8 +39,8 @@ MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
 class PallasConfig:
     """Tunable launch parameters of the Pallas kernel (block dims are powers of two).
 
-    The defaults are the ones scripts/gpu_bench_attention.py selects; the table that justifies
-    them lives in results/ next to the benchmark output.
+    The defaults are first guesses, not yet measured on a GPU: scripts/gpu_check.sh sweeps
+    these fields and writes the table that should replace them (issue 7).
     """
 
     decode_block_k: int = 128  # keys per inner step (pages_per_compute_block * block_size)

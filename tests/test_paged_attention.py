@@ -2,7 +2,8 @@
 
 Every batch is built the hostile way: pages are a random permutation of the pool, every
 slot nobody owns (foreign pages, the null page, the tail of a last page) is NaN, and the
-buckets carry padded tokens and padded sequences. The Pallas kernel runs in interpret mode.
+buckets carry padded tokens and padded sequences. The Pallas kernel runs in interpret mode
+on the CPU and compiled on a GPU (scripts/gpu_check.sh runs this file there).
 """
 
 import functools
@@ -19,6 +20,8 @@ from pallas_kernels.paged_attention import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+
+INTERPRET = jax.default_backend() == "cpu"
 
 # Output tolerance vs the float64 numpy reference, per dtype. bf16 inputs are compared with
 # the same bf16-rounded values; the error left is the bf16 output and the bf16 probabilities
@@ -96,7 +99,7 @@ def check_batch(batch, dtype, impls=("xla", "pallas"), config=None, with_referen
         reference = np.asarray(ragged_paged_attention_reference(*args).astype(jnp.float32))
         np.testing.assert_allclose(reference[real], expected[real], **tol, err_msg="jnp reference vs float64")
     for impl in impls:
-        out = ragged_paged_attention(*args, impl=impl, interpret=True, config=config)
+        out = ragged_paged_attention(*args, impl=impl, interpret=INTERPRET, config=config)
         assert out.shape == q.shape and out.dtype == dtype
         out = np.asarray(out.astype(jnp.float32))
         # NaN pages must not leak anywhere, not even into padding rows.
@@ -225,7 +228,7 @@ def _replace(args, index, value):
 ])
 def test_bad_input_raises_with_fix(args, impl, match):
     with pytest.raises(ValueError, match=match):
-        ragged_paged_attention(*args, impl=impl, interpret=True)
+        ragged_paged_attention(*args, impl=impl, interpret=INTERPRET)
 
 
 def test_xla_accepts_shapes_the_kernel_cannot_tile():
@@ -246,5 +249,5 @@ def test_jits_with_traced_num_seqs_and_custom_scale():
     args.append(jnp.asarray([num_seqs], jnp.int32))
     expected = ragged_paged_attention_reference(*args, sm_scale=0.3)
     for impl in ("xla", "pallas"):
-        step = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.3, impl=impl, interpret=True))
+        step = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.3, impl=impl, interpret=INTERPRET))
         np.testing.assert_allclose(np.asarray(step(*args))[:5], np.asarray(expected)[:5], atol=2e-5, rtol=2e-5)
