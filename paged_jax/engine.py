@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import time
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -70,6 +72,14 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.attention_impl not in (None, "xla", "pallas"):
             raise ValueError(f"attention_impl={self.attention_impl!r} must be None, 'xla' or 'pallas'")
+        if self.dtype is not None:
+            try:
+                floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
+            except TypeError:
+                floating = False
+            if not floating:
+                raise ValueError(f"dtype={self.dtype!r} must be a float dtype such as 'float32' or 'bfloat16' "
+                                 "(or None for the checkpoint's)")
 
 
 @dataclass
@@ -176,15 +186,24 @@ class LLMEngine:
         requests are unaffected."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id={request_id!r} must be a non-empty string")
+        if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: sampling_params must be a SamplingParams, "
+                             f"got {type(sampling_params).__name__}")
         if isinstance(prompt, str):
             text, prompt_token_ids = prompt, self.tokenizer.encode(prompt)
         else:
+            # int() would silently truncate 3.7 or accept True; only integer ids are token ids.
+            if not hasattr(prompt, "__iter__") or not all(
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+                raise ValueError(f"request {request_id!r}: the prompt must be a string or a list of int token "
+                                 f"ids, got {type(prompt).__name__}")
             text, prompt_token_ids = None, [int(t) for t in prompt]
-            vocab = self.model.config.vocab_size
-            bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
-                                 f"[0, {vocab}); tokenize with this model's tokenizer")
+        # A string can encode to ids the model lacks too (a tokenizer bigger than the embedding).
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {vocab}); tokenize with this model's tokenizer")
         params = sampling_params or SamplingParams()
         if self._extra_eos_ids and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + self._extra_eos_ids)
@@ -201,7 +220,10 @@ class LLMEngine:
         if not self.scheduler.abort_request(request_id):
             return False
         _, output = self._live.pop(request_id)
-        output.outputs[0].finish_reason, output.finished = "abort", True
+        completion = output.outputs[0]
+        completion.finish_reason, output.finished = "abort", True
+        completion.text = self.tokenizer.decode(completion.token_ids)  # what it had generated so far
+        output.metrics.finished_time = time.time()
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -212,12 +234,13 @@ class LLMEngine:
         """Schedules, runs one jitted step and applies its tokens; returns the outputs of
         the requests that got a token (finished ones have finished=True)."""
         scheduler_output = self.scheduler.schedule()
+        # Usage peaks here: this step's blocks are allocated and finished requests not yet freed.
+        self.peak_kv_usage = max(self.peak_kv_usage, self.kv_cache_manager.usage)
         token_ids, logprobs = self.runner.execute(self.input_builder.build(scheduler_output))
         return self._make_outputs(self.scheduler.update_from_output(scheduler_output, token_ids, logprobs))
 
     def _make_outputs(self, core_outputs) -> list[RequestOutput]:
         now = time.time()
-        self.peak_kv_usage = max(self.peak_kv_usage, self.kv_cache_manager.usage)
         results = []
         for core in core_outputs:
             request, output = self._live[core.request_id]
@@ -283,7 +306,7 @@ class LLM:
         Raises:
           ValueError if any prompt or its parameters are invalid; nothing is left queued then.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
@@ -296,10 +319,12 @@ class LLM:
                 request_id = f"generate-{next(self._next_id)}"
                 self.engine.add_request(request_id, prompt, params)
                 request_ids.append(request_id)
-        except ValueError as error:
+        except BaseException as error:  # whatever went wrong, leave nothing of this call queued
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
-            raise ValueError(f"prompt {len(request_ids)}: {error}") from error
+            if isinstance(error, ValueError):
+                raise ValueError(f"prompt {len(request_ids)}: {error}") from error
+            raise
         wanted, finished = set(request_ids), {}
         with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       disable=not use_tqdm, transient=True) as progress:
