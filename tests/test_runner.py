@@ -1,0 +1,169 @@
+"""ModelRunner: buckets, warm-up, no compilation while serving, donated KV caches.
+
+Compilations are counted twice: by the runner's own counter (traces of the step) and,
+independently, by jax's backend-compile monitoring event, which fires for every XLA
+compilation in the process whatever triggered it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from engine_reference import BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, get_engine, model, run_to_completion
+from models.llama import LlamaConfig
+from paged_jax import SamplingParams
+from paged_jax.runner import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, num_blocks_for_budget
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@pytest.fixture
+def backend_compiles():
+    """A list that grows by one entry per XLA compilation while the test runs."""
+    events = []
+
+    def listener(name, duration, **kwargs):
+        if name == BACKEND_COMPILE_EVENT:
+            events.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield events
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def _smallest_at_least(buckets, n):
+    return buckets[bisect.bisect_left(buckets, n)]
+
+
+@pytest.mark.parametrize("max_num_seqs,max_num_batched_tokens", [(8, 64), (16, 32), (5, 100), (64, 512), (1, 16),
+                                                                 (3, 2), (40, 24)])
+def test_bucket_shapes_cover_every_reachable_step(max_num_seqs, max_num_batched_tokens):
+    runner = ModelRunner(model(), num_blocks=2, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    shapes = runner.bucket_shapes()
+    assert len(set(shapes)) == len(shapes)
+    assert runner.token_buckets[-1] == max_num_batched_tokens and runner.seq_buckets[-1] == max_num_seqs
+    assert runner.token_buckets[0] == min(MIN_TOKEN_BUCKET, max_num_batched_tokens)
+    # every step the scheduler can produce: t tokens over 1..min(t, max_num_seqs) sequences
+    reachable = {
+        (_smallest_at_least(runner.token_buckets, t), _smallest_at_least(runner.seq_buckets, s))
+        for t in range(1, max_num_batched_tokens + 1)
+        for s in range(1, min(t, max_num_seqs) + 1)
+    }
+    assert reachable == set(shapes), "warm-up compiles a shape no step uses, or misses one a step needs"
+    assert runner.num_compilations == 0  # nothing compiles before warm_up or a step
+    if max_num_seqs >= MIN_SEQ_BUCKET:
+        assert runner.seq_buckets[0] == MIN_SEQ_BUCKET
+
+
+def test_warm_up_compiled_each_bucket_once(backend_compiles):
+    runner = get_engine("chunked").runner  # built (and warmed up) on first use
+    compiled_before = len(backend_compiles)
+    shapes = runner.bucket_shapes()
+    assert shapes == [(16, 8), (16, 16), (32, 8), (32, 16)]
+    assert runner.num_compilations == len(shapes)
+    assert runner.warm_up() == len(shapes)  # again: every shape is cached
+    assert runner.num_compilations == len(shapes) and len(backend_compiles) == compiled_before
+
+
+def test_serving_after_warm_up_compiles_nothing(backend_compiles, monkeypatch):
+    engine = get_engine("chunked")  # built (and warmed up) on first use
+    runner = engine.runner
+    compilations, compiled_before = runner.num_compilations, len(backend_compiles)
+    seen = set()
+    build = engine.input_builder.build
+
+    def recording_build(scheduler_output, *args):
+        inputs = build(scheduler_output, *args)
+        seen.add((inputs.token_ids.shape[0], inputs.block_tables.shape[0]))
+        return inputs
+
+    monkeypatch.setattr(engine.input_builder, "build", recording_build)
+    rng = np.random.default_rng(5)
+    num_requests = 120
+    for i in range(num_requests):
+        n = int(rng.choice([1, 2, 5, 15, 16, 17, 31, 32, 33, 64, 100, 150, 200]) if i % 3 else rng.integers(1, 230))
+        kind = i % 4
+        params = SamplingParams(
+            max_tokens=int(rng.integers(1, 17)), ignore_eos=True, logprobs=kind == 1,
+            temperature=0.0 if kind in (0, 1) else 0.9, top_k=20 if kind == 2 else -1,
+            top_p=0.8 if kind == 3 else 1.0, seed=i if kind == 3 else None)
+        engine.add_request(f"nocompile-{i}", rng.integers(0, 512, n).tolist(), params)
+        if i % 10 == 9:  # arrivals interleave with steps, so batches keep changing shape
+            engine.step()
+        if i % 40 == 39:
+            engine.abort_request(f"nocompile-{i - 1}")
+    finished = run_to_completion(engine)
+    assert len(finished) >= num_requests - 3 - 10  # all but the aborted (and those finished in the loop)
+
+    new_compiles = len(backend_compiles) - compiled_before
+    assert new_compiles == 0, f"{new_compiles} XLA compilations while serving"
+    assert runner.num_compilations == compilations
+    assert seen <= set(runner.bucket_shapes())
+    assert len(seen) >= 3 and any(s == 16 for _, s in seen), f"the run only used {seen}"
+    assert_no_leak(engine)
+
+
+def test_donated_caches_update_in_place():
+    """The compiled step aliases every cache buffer to its output, and its temporaries are
+    far smaller than the cache: no second cache-sized buffer. A copy of the step without
+    donation shows what a copy looks like (so the check can fail)."""
+    runner = ModelRunner(model(), num_blocks=4097, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                         max_num_seqs=8, max_num_batched_tokens=64)
+    cache_bytes = runner.kv_cache_bytes
+    config = model().config
+    assert cache_bytes == 2 * config.num_layers * 4097 * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 4
+    donated = runner.compiled_memory(64, 8)
+    assert donated.alias_size_in_bytes == cache_bytes
+    assert donated.temp_size_in_bytes < cache_bytes / 4
+    assert donated.output_size_in_bytes - donated.alias_size_in_bytes < cache_bytes / 4
+
+    copying = jax.jit(runner._step_fn).lower(runner.params, runner.kv_caches, runner.dummy_inputs(64, 8))
+    copied = copying.compile().memory_analysis()
+    assert copied.alias_size_in_bytes == 0 and copied.output_size_in_bytes >= cache_bytes
+
+
+def test_step_deletes_the_previous_cache_arrays():
+    engine = get_engine("big")
+    runner = engine.runner
+    before = [a for pair in runner.kv_caches for a in pair]
+    assert not any(a.is_deleted() for a in before)
+    engine.add_request("donate", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.0))
+    engine.step()
+    assert all(a.is_deleted() for a in before), "the step kept the old caches alive: donation did not happen"
+    after = [a for pair in runner.kv_caches for a in pair]
+    assert not any(a.is_deleted() for a in after)
+    assert [a.shape for a in after] == [a.shape for a in before]
+    run_to_completion(engine)
+    assert_no_leak(engine)
+
+
+def test_idle_step_runs_nothing():
+    engine = get_engine("big")
+    steps = engine.runner.num_steps
+    assert engine.step() == []
+    assert engine.runner.num_steps == steps
+
+
+def test_num_blocks_for_budget():
+    config: LlamaConfig = model().config
+    per_block = 2 * config.num_layers * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 4  # f32
+    kwargs = dict(max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+    assert num_blocks_for_budget(config, BLOCK_SIZE, None, num_blocks=7, **kwargs) == 7
+    assert num_blocks_for_budget(config, BLOCK_SIZE, None, kv_cache_memory_bytes=10 * per_block + 5, **kwargs) == 10
+    assert num_blocks_for_budget(config, BLOCK_SIZE, "bfloat16", kv_cache_memory_bytes=10 * per_block, **kwargs) == 20
+    with pytest.raises(ValueError, match=rf"holds 1 blocks of {per_block} bytes; give at least {2 * per_block}"):
+        num_blocks_for_budget(config, BLOCK_SIZE, None, kv_cache_memory_bytes=per_block, **kwargs)
+    if "bytes_limit" not in (jax.devices()[0].memory_stats() or {}):  # the CPU: room for every sequence
+        assert num_blocks_for_budget(config, BLOCK_SIZE, None, **kwargs) == 8 * math.ceil(MAX_MODEL_LEN / BLOCK_SIZE) + 1
+
+
+def test_runner_rejects_unknown_attention_impl():
+    with pytest.raises(ValueError, match="must be 'xla' .* or 'pallas'"):
+        ModelRunner(model(), num_blocks=2, block_size=BLOCK_SIZE, max_model_len=64, max_num_seqs=1,
+                    max_num_batched_tokens=16, attention_impl="triton")
