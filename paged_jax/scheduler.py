@@ -96,6 +96,11 @@ class Scheduler:
                             ("max_model_len", max_model_len), ("block_size", block_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if getattr(kv_cache_manager, "block_size", block_size) != block_size:
+            raise ValueError(
+                f"block_size={block_size} differs from the KV cache manager's {kv_cache_manager.block_size}; "
+                f"pass the same block_size to both"
+            )
         if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold={long_prefill_token_threshold!r} must be >= 0 (0 = off)")
         self.kv_cache_manager = kv_cache_manager

@@ -233,6 +233,16 @@ def test_rejects_requests_that_can_never_run():
     assert [r.request_id for r in s.waiting] == ["x"]
 
 
+def test_constructor_checks():
+    kv = KVCacheManager(8, 4, 32)
+    with pytest.raises(ValueError, match="block_size=8 differs"):
+        Scheduler(kv, 4, 16, 32, 8)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Scheduler(kv, 0, 16, 32, 4)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        Scheduler(kv, 4, 16, 32, 4, long_prefill_token_threshold=-1)
+
+
 def _simulate(seed, *, num_blocks, budget, max_num_seqs, caching, threshold, num_reqs):
     """Runs random requests through scheduler + builder against a paged 'KV store' that
     holds token ids; the fake model's next token hashes the context it reads back through
