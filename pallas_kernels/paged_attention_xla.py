@@ -29,7 +29,7 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 DECODE_GROUP = 32  # decoding sequences per outer step
 PREFILL_QUERY_BLOCK = 32  # query tokens per prefill block
 PREFILL_GROUP = 8  # prefill blocks per outer step
-CONTEXT_CHUNK_TOKENS = 512
+CONTEXT_CHUNK_TOKENS = 128  # small chunks stay in cache and let causal blocks stop early (bench_attention.py)
 
 
 def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_scale):

@@ -12,6 +12,10 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+# Sequence counts are small (<= a few hundred): one fused compare beats a log-depth loop of
+# tiny kernels on a GPU, and costs little on a CPU.
+SEARCH = "compare_all"
+
 
 class RaggedBatch(NamedTuple):
     """Per-sequence view of a batch; padded sequences (index >= num_seqs) have q_len 0."""
@@ -57,7 +61,8 @@ def query_blocks(batch, q_lens, num_blocks, block_q):
     blocks_end = jnp.cumsum(blocks_per_seq)
     first_block = blocks_end - blocks_per_seq
     block_ids = jnp.arange(num_blocks, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(blocks_end, block_ids, side="right"), max_num_seqs - 1).astype(jnp.int32)
+    seq = jnp.searchsorted(blocks_end, block_ids, side="right", method=SEARCH)
+    seq = jnp.minimum(seq, max_num_seqs - 1).astype(jnp.int32)
     real = block_ids < blocks_end[-1]
     row0 = (block_ids - first_block[seq]) * block_q  # first query row of the block within its sequence
     num_rows = jnp.where(real, jnp.clip(q_lens[seq] - row0, 0, block_q), 0)
@@ -72,7 +77,7 @@ def query_blocks(batch, q_lens, num_blocks, block_q):
 def token_sequence(batch, num_tokens):
     """i32[num_tokens]: the sequence owning each token row (clamped for padding tokens)."""
     token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.searchsorted(batch.token_end, token_ids, side="right")
+    seq = jnp.searchsorted(batch.token_end, token_ids, side="right", method=SEARCH)
     return jnp.minimum(seq, batch.q_lens.shape[0] - 1).astype(jnp.int32)
 
 

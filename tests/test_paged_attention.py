@@ -140,8 +140,8 @@ def test_ragged_batches(shape, name):
     q_lens, seq_lens = scenario(name, block_size, rng)
     # One bucket for all three scenarios: padded tokens and padded sequences always present.
     batch = build_batch(rng, q_lens, seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
-                        head_dim=head_dim, block_size=block_size, dtype=dtype, num_tokens=4 * block_size + 16, max_num_seqs=8,
-                        max_blocks_per_seq=cdiv(128, block_size))
+                        head_dim=head_dim, block_size=block_size, dtype=dtype, num_tokens=4 * block_size + 16,
+                        max_num_seqs=8, max_blocks_per_seq=cdiv(128, block_size))
     check_batch(batch, dtype)
 
 
