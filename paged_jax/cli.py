@@ -20,6 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paged-jax", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for prompts")
+    g.set_defaults(parser=g)  # flag-value errors found after parsing are reported by this subparser
     src = g.add_argument_group("prompts (one or more of)")
     src.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")
     src.add_argument("--prompts-file", help="a text file, one prompt per line (blank lines skipped)")
@@ -50,8 +51,12 @@ def _parser() -> argparse.ArgumentParser:
 def _read_prompts(args) -> list[str]:
     prompts = list(args.prompt)
     if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.prompts_file, encoding="utf-8") as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as error:
+            raise ValueError(f"--prompts-file {args.prompts_file}: {error.strerror or error}; "
+                             "give a readable text file, one prompt per line") from error
     if not prompts:
         raise ValueError("no prompts: pass --prompt TEXT (repeatable) or --prompts-file FILE")
     return prompts
@@ -73,12 +78,16 @@ def _summary(outputs, stats: dict, elapsed: float) -> dict:
     }
 
 
-def generate(args, console: Console) -> int:
-    from paged_jax import LLM, SamplingParams  # jax loads here, after argument errors are out of the way
+def _sampling_params(args):
+    from paged_jax.request import SamplingParams  # host-only: no jax yet
 
-    prompts = _read_prompts(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+
+
+def generate(args, params, prompts: list[str], console: Console) -> int:
+    from paged_jax import LLM  # jax loads here, after argument errors are out of the way
+
     with console.status("loading the model and compiling every bucket"):
         llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
@@ -100,25 +109,38 @@ def generate(args, console: Console) -> int:
         for o in outputs:
             console.print(f"[bold]{o.prompt!r}[/bold] -> {o.text!r} [dim]({len(o.token_ids)} tokens, "
                           f"{o.finish_reason})[/dim]", highlight=False)
-    table = Table(title=f"paged-jax generate ({args.model}, {llm.stats()['attention_impl']} attention, "
-                        f"{llm.stats()['backend']})")
-    for column in ("requests", "generated tok/s", "TTFT p50 (ms)", "peak KV usage", "prefix hit rate",
-                   "preemptions", "compilations"):
-        table.add_column(column, justify="right")
-    table.add_row(str(summary["requests"]), f"{summary['tokens_per_s']:.1f}", f"{summary['ttft_p50_ms']:.1f}",
-                  f"{summary['peak_kv_usage']:.1%}", f"{summary['prefix_hit_rate']:.1%}",
-                  str(summary["preemptions"]), str(summary["compilations"]))
+    # One metric per row: seven columns side by side truncate their headers in 80 columns,
+    # and a title above a narrow table would wrap, so it is a line of its own.
+    stats = llm.stats()
+    console.print(f"paged-jax generate ({args.model}, {stats['attention_impl']} attention, {stats['backend']})",
+                  highlight=False, soft_wrap=True)
+    table = Table()
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in (("requests", str(summary["requests"])),
+                        ("generated tok/s", f"{summary['tokens_per_s']:.1f}"),
+                        ("TTFT p50 (ms)", f"{summary['ttft_p50_ms']:.1f}"),
+                        ("peak KV usage", f"{summary['peak_kv_usage']:.1%}"),
+                        ("prefix hit rate", f"{summary['prefix_hit_rate']:.1%}"),
+                        ("preemptions", str(summary["preemptions"])),
+                        ("compilations", str(summary["compilations"]))):
+        table.add_row(name, value)
     console.print(table)
     return 0
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    console = Console()
+    # Flag values are checked before jax loads, and answered like argparse's own errors
+    # (usage line, message, exit status 2).
     try:
-        return generate(args, console)
-    except ValueError as error:  # bad input: say what to change, no traceback
-        console.print(f"[red]error:[/red] {error}", highlight=False)
+        params, prompts = _sampling_params(args), _read_prompts(args)
+    except ValueError as error:
+        args.parser.error(str(error))
+    try:
+        return generate(args, params, prompts, Console())
+    except ValueError as error:  # bad input found later (model dir, cache sizes): what to change, no traceback
+        print(f"paged-jax: error: {error}", file=sys.stderr)
         return 2
 
 

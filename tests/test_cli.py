@@ -1,0 +1,104 @@
+"""`python -m paged_jax generate` end to end, in a subprocess, with the embedded "tiny" model.
+
+The JSON run's token ids are checked against the dense greedy reference (the CLI's tiny
+model has the same seeded weights as the tests' LLM("tiny")). Bad flag values exit with
+status 2, a message naming the fix and no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine_reference import big_llm, dense_greedy
+
+ENGINE_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "256"]
+PROMPTS = ["Hello world", "The paged cache keeps blocks"]
+
+
+def _cli(*args, timeout=300):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "80"}
+    return subprocess.run([sys.executable, "-m", "paged_jax", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_generate_prints_completions_and_the_table(tmp_path: Path):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text(f"\n{PROMPTS[1]}\n\n", encoding="utf-8")  # blank lines are skipped
+    result = _cli("generate", "--prompt", PROMPTS[0], "--prompts-file", str(prompts_file), "--max-tokens", "8",
+                  "--ignore-eos", *ENGINE_FLAGS)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    out = result.stdout
+    for prompt in PROMPTS:
+        assert f"{prompt!r} -> " in out and "(8 tokens, length)" in out
+    assert "paged-jax generate (tiny, xla attention, cpu)" in out
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("│┃ ").split("│")]
+        if len(cells) == 2:
+            rows[cells[0]] = cells[1]
+    assert {"requests", "generated tok/s", "TTFT p50 (ms)", "peak KV usage", "prefix hit rate", "preemptions",
+            "compilations"} <= set(rows), out
+    assert rows["requests"] == "2" and rows["preemptions"] == "0" and rows["compilations"] == "3"
+    assert float(rows["generated tok/s"]) > 0 and rows["peak KV usage"].endswith("%")
+    assert max(map(len, out.splitlines())) <= 80  # readable in an 80-column terminal
+
+
+def test_generate_json_matches_the_dense_reference():
+    result = _cli("generate", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-tokens", "8", "--ignore-eos",
+                  "--json", *ENGINE_FLAGS)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]  # every stdout line is JSON
+    completions, summary = records[:-1], records[-1]["summary"]
+    assert [c["prompt"] for c in completions] == PROMPTS
+    tokenizer = big_llm().tokenizer
+    ref, _ = dense_greedy([tokenizer.encode(p) for p in PROMPTS], [8, 8])
+    assert [c["token_ids"] for c in completions] == ref
+    assert [c["text"] for c in completions] == [tokenizer.decode(r) for r in ref]
+    assert all(c["finish_reason"] == "length" and c["ttft_s"] > 0 for c in completions)
+    assert summary["requests"] == 2 and summary["generated_tokens"] == 16
+    assert summary["compilations"] == 3 and summary["preemptions"] == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-tokens", "0"], "max_tokens=0 must be an int >= 1"),
+    (["--temperature", "-1"], "temperature=-1.0 must be >= 0"),
+    (["--top-p", "1.5"], "top_p=1.5 must be in (0, 1]"),
+    (["--top-k", "-2"], "top_k=-2 must be an int >= 1, or -1 / 0 to disable"),
+    (["--prompts-file", "/nonexistent/prompts.txt"], "--prompts-file /nonexistent/prompts.txt: No such file"),
+])
+def test_bad_flag_values_exit_2_before_loading_anything(args, message):
+    if "--prompts-file" not in args:
+        args = ["--prompt", "hi", *args]
+    result = _cli("generate", *args, timeout=60)
+    assert result.returncode == 2
+    assert message in result.stderr and "usage: paged-jax generate" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_no_prompts_and_unknown_flags_exit_2():
+    result = _cli("generate", timeout=60)
+    assert result.returncode == 2 and "no prompts: pass --prompt TEXT" in result.stderr
+    result = _cli("generate", "--prompt", "hi", "--max-tokens", "many", timeout=60)
+    assert result.returncode == 2 and "--max-tokens: invalid int value: 'many'" in result.stderr
+
+
+def test_bad_engine_value_exits_2_with_the_fix():
+    result = _cli("generate", "--prompt", "hi", "--block-size", "24", timeout=120)
+    assert result.returncode == 2
+    assert "block_size=24 must be a power of two" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_console_script_is_installed():
+    script = Path(sys.executable).with_name("paged-jax")
+    if not script.exists():
+        pytest.skip(f"no {script}: the package is not installed with its scripts in this environment")
+    result = subprocess.run([str(script), "generate", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "--prompts-file" in result.stdout
