@@ -32,7 +32,7 @@ from pallas_kernels.ragged_batch import cdiv, query_blocks, ragged_batch, token_
 # Finite, so rows that see no key (padding, empty splits) stay finite instead of NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2_E = math.log2(math.e)
-MIN_DOT_ROWS = 16  # tl.dot needs M >= 16
+MIN_DOT_DIM = 16  # tl.dot needs M, N and K >= 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,9 @@ def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *,
     """
     num_items, num_kv_heads, rows, head_dim = q_items.shape
     num_blocks, block_size, _, _ = k_cache.shape
-    pages_per_compute_block = max(1, min(block_k // block_size, _next_power_of_2(item_tables.shape[1])))
+    # Short tables need no more pages per step than they have, but tl.dot needs >= 16 keys.
+    pages_per_compute_block = max(MIN_DOT_DIM // block_size, 1,
+                                  min(block_k // block_size, _next_power_of_2(item_tables.shape[1])))
     pages_per_split = cdiv(cdiv(item_tables.shape[1], num_splits), pages_per_compute_block) * pages_per_compute_block
     # Whole splits of whole compute blocks; the padding is the null page, never -1.
     item_tables = jnp.pad(item_tables, ((0, 0), (0, num_splits * pages_per_split - item_tables.shape[1])))
@@ -199,7 +201,7 @@ def _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, 
                              interpret=interpret)
 
     # decode: one item per decoding sequence, all rows of a KV group in one tl.dot tile
-    decode_rows = max(MIN_DOT_ROWS, _next_power_of_2(group))
+    decode_rows = max(MIN_DOT_DIM, _next_power_of_2(group))
     decode = query_blocks(batch, jnp.where(batch.q_lens == 1, 1, 0), max_num_seqs, 1)
     num_splits = config.decode_num_splits or _next_power_of_2(
         cdiv(config.decode_target_programs, max_num_seqs * num_kv_heads))
@@ -212,7 +214,7 @@ def _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, 
 
     # prefill chunks: blocks of block_q tokens of one sequence, group rows each
     block_q = max(1, config.prefill_rows // group)
-    prefill_rows = max(MIN_DOT_ROWS, _next_power_of_2(block_q * group))
+    prefill_rows = max(MIN_DOT_DIM, _next_power_of_2(block_q * group))
     # Each prefilling sequence (>= 2 tokens) wastes at most one partial block.
     num_items = cdiv(num_tokens, block_q) + min(max_num_seqs, num_tokens // 2)
     prefill = query_blocks(batch, jnp.where(batch.q_lens >= 2, batch.q_lens, 0), num_items, block_q)

@@ -184,6 +184,14 @@ def test_pallas_launch_configs(config):
     check_batch(batch, jnp.float32, impls=("pallas",), config=config)
 
 
+def test_pages_smaller_than_a_dot_tile():
+    """block_size 8 with one-page tables: the kernel still steps over >= 16 keys (null-page padded)."""
+    rng = np.random.default_rng(13)
+    batch = build_batch(rng, [1, 5, 1], [8, 7, 3], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
+                        dtype=jnp.float32, num_tokens=8, max_num_seqs=4, max_blocks_per_seq=1)
+    check_batch(batch, jnp.float32)
+
+
 @given(data=st.data())
 def test_random_ragged_batches(data):
     """Random mixes of decodes, fresh prefills and chunks on cached context in one fixed bucket."""
