@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.ragged_batch import cdiv, query_blocks, ragged_batch, token_block_rows, token_sequence
+from pallas_kernels.ragged_batch import cdiv, query_blocks, ragged_batch
 
 # Finite, so a row with every key masked (a padding row) gives a finite output, not NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -86,18 +86,21 @@ def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_s
     return out.transpose(0, 3, 1, 2, 4).reshape(num_blocks_g, block_q, num_q_heads, head_dim)
 
 
-def _attend_blocks(q, k_cache, v_cache, block_tables, batch, q_lens, sm_scale, *, block_q, num_blocks,
+def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_scale, *, block_q, num_blocks,
                    group_blocks):
-    """Attention for the tokens of `q_lens` (a subset of the batch) in blocks of block_q rows.
+    """Attention for the tokens of `q_lens` (a subset of the batch), blocks of block_q rows.
 
-    Returns (f32[num_blocks' * block_q, num_q_heads, head_dim], QueryBlocks), the rows in
-    block order; num_blocks' rounds the static bound num_blocks up to whole groups.
+    Each group's rows are scattered straight into `out` ([num_tokens, num_q_heads, head_dim])
+    at their token rows, so no block-layout buffer of the static worst case is kept.
     """
-    _, num_q_heads, head_dim = q.shape
+    num_tokens = q.shape[0]
     block_size = k_cache.shape[1]
     max_blocks_per_seq = block_tables.shape[1]
     num_groups = cdiv(num_blocks, group_blocks)
     blocks = query_blocks(batch, q_lens, num_groups * group_blocks, block_q)
+    # Rows without a query point past the end and are dropped by the scatter.
+    valid = jnp.arange(block_q)[None, :] < blocks.num_rows[:, None]
+    dest = jnp.where(valid, blocks.row_token, num_tokens)  # [blocks, Q]
     chunk_pages = min(max_blocks_per_seq, max(1, CONTEXT_CHUNK_TOKENS // block_size))
     # Pad the table width to whole chunks with the null page (never -1).
     tables = jnp.pad(block_tables, ((0, 0), (0, cdiv(max_blocks_per_seq, chunk_pages) * chunk_pages
@@ -107,13 +110,11 @@ def _attend_blocks(q, k_cache, v_cache, block_tables, batch, q_lens, sm_scale, *
         take = functools.partial(lax.dynamic_slice_in_dim, start_index=g * group_blocks, slice_size=group_blocks)
         out_g = _attend_group(q, k_cache, v_cache, tables[take(blocks.seq)], take(blocks.q_pos0),
                               take(blocks.num_rows), take(blocks.row_token), sm_scale)
-        return lax.dynamic_update_slice_in_dim(out, out_g, g * group_blocks, axis=0)
+        return out.at[take(dest)].set(out_g.astype(out.dtype), mode="drop")
 
     # Real blocks are packed first: walk only the groups that hold some.
     num_real_groups = cdiv(jnp.sum(cdiv(q_lens, block_q)), group_blocks)
-    out = jnp.zeros((num_groups * group_blocks, block_q, num_q_heads, head_dim), jnp.float32)
-    out = lax.fori_loop(0, num_real_groups, group_step, out)
-    return out.reshape(-1, num_q_heads, head_dim), blocks
+    return lax.fori_loop(0, num_real_groups, group_step, out)
 
 
 def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, sm_scale):
@@ -121,17 +122,14 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, quer
     num_tokens = q.shape[0]
     max_num_seqs = block_tables.shape[0]
     batch = ragged_batch(seq_lens, query_start_loc, num_seqs)
-    token_seq = token_sequence(batch, num_tokens)
-    attend = functools.partial(_attend_blocks, q, k_cache, v_cache, block_tables, batch, sm_scale=sm_scale)
+    attend = functools.partial(_attend_blocks, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                               batch=batch, sm_scale=sm_scale)
+    out = jnp.zeros(q.shape, q.dtype)  # padding rows stay zero
     # decode: one single-row block per decoding sequence
-    out_decode, decode = attend(jnp.where(batch.q_lens == 1, 1, 0), block_q=1, num_blocks=max_num_seqs,
-                                group_blocks=min(DECODE_GROUP, max_num_seqs))
+    out = attend(out, q_lens=jnp.where(batch.q_lens == 1, 1, 0), block_q=1, num_blocks=max_num_seqs,
+                 group_blocks=min(DECODE_GROUP, max_num_seqs))
     # prefill chunks: each sequence of >= 2 tokens wastes at most one partial block
     block_q = min(PREFILL_QUERY_BLOCK, num_tokens)
     num_blocks = cdiv(num_tokens, block_q) + min(max_num_seqs, num_tokens // 2)
-    out_prefill, prefill = attend(jnp.where(batch.q_lens >= 2, batch.q_lens, 0), block_q=block_q,
-                                  num_blocks=num_blocks, group_blocks=min(PREFILL_GROUP, num_blocks))
-    is_decode = (batch.q_lens[token_seq] == 1)[:, None, None]
-    out = jnp.where(is_decode, out_decode[token_block_rows(batch, decode, token_seq, 1)],
-                    out_prefill[token_block_rows(batch, prefill, token_seq, block_q)])
-    return out.astype(q.dtype)
+    return attend(out, q_lens=jnp.where(batch.q_lens >= 2, batch.q_lens, 0), block_q=block_q,
+                  num_blocks=num_blocks, group_blocks=min(PREFILL_GROUP, num_blocks))
