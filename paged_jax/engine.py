@@ -306,7 +306,8 @@ class LLM:
         Raises:
           ValueError if any prompt or its parameters are invalid; nothing is left queued then.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], numbers.Integral)):
+        # len(), not truth: a numpy array of ids has no truth value.
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], numbers.Integral)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)

@@ -27,6 +27,7 @@ from engine_reference import (
     run_to_completion,
 )
 from paged_jax import SamplingParams
+from paged_jax.engine import EngineConfig, LLMEngine
 
 LOGPROB_TOL = 1e-4
 
@@ -93,6 +94,9 @@ def test_generate_text_prompt_and_single_prompt_forms():
     assert out.outputs[0].logprobs is None  # not asked for
     (out_ids,) = llm.generate(ids, greedy_params(10), use_tqdm=False)  # one token-id prompt
     assert out_ids.prompt is None and out_ids.token_ids == ref
+    (out_np,) = llm.generate(np.asarray(ids), greedy_params(10), use_tqdm=False)  # numpy ids work too
+    assert out_np.token_ids == ref
+    assert llm.generate([], greedy_params(10), use_tqdm=False) == []
     assert out.metrics.time_to_first_token > 0
     assert_no_leak(llm.engine)
 
@@ -218,4 +222,20 @@ def test_seeded_logprobs_are_raw_dense_logprobs():
     assert np.any(rows.argmax(-1) != out.token_ids), "every sampled token was the argmax"
     want = rows[np.arange(len(out.token_ids)), out.token_ids]
     np.testing.assert_allclose(out.outputs[0].logprobs, want, atol=LOGPROB_TOL, rtol=0)
+    assert_no_leak(engine)
+
+
+def test_pallas_kernel_path_matches_dense_reference():
+    """The GPU attention path (the Pallas kernel, here in interpret mode) behind the same
+    engine: prefill chunks, decodes and mixed steps give the reference tokens."""
+    base = big_llm().engine
+    config = EngineConfig(attention_impl="pallas", interpret=True, max_num_seqs=8, max_num_batched_tokens=32,
+                          max_model_len=MAX_MODEL_LEN, warm_up=False)
+    engine = LLMEngine(config, model=base.model, tokenizer=base.tokenizer)
+    prompts, _ = make_prompts(seed=9, num=12)
+    prompts = [p[:60] for p in prompts[:6]]  # 1..60 tokens: chunked at 32, mixed with decodes
+    ref, _ = dense_greedy(prompts, [6] * 6)
+    outputs = _run_engine(engine, prompts, [greedy_params(6)] * 6, "pallas")
+    assert [o.token_ids for o in outputs] == ref
+    assert engine.get_stats()["attention_impl"] == "pallas"
     assert_no_leak(engine)
