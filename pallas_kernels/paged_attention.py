@@ -33,14 +33,19 @@ from pallas_kernels.ragged_batch import cdiv, query_blocks, ragged_batch, token_
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LOG2_E = math.log2(math.e)
 MIN_DOT_DIM = 16  # tl.dot needs M, N and K >= 16
+# Triton keeps up to num_stages K and V tiles in shared memory (227 KB per block on Hopper);
+# block_k is halved until they fit in this much, leaving room for q and scratch.
+SHARED_MEMORY_BUDGET = 192 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
 class PallasConfig:
     """Tunable launch parameters of the Pallas kernel (block dims are powers of two).
 
-    The defaults are first guesses, not yet measured on a GPU: scripts/gpu_check.sh sweeps
-    these fields and writes the table that should replace them (issue 7).
+    block_k values are upper bounds: the launch halves them until num_stages K and V tiles
+    fit in SHARED_MEMORY_BUDGET (f32 at head_dim 128, say). The defaults are first guesses,
+    not yet measured on a GPU: scripts/gpu_check.sh sweeps these fields and writes the table
+    that should replace them (issue 7).
     """
 
     decode_block_k: int = 128  # keys per inner step (pages_per_compute_block * block_size)
@@ -130,6 +135,9 @@ def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *,
     """
     num_items, num_kv_heads, rows, head_dim = q_items.shape
     num_blocks, block_size, _, _ = k_cache.shape
+    tile_bytes = 2 * num_stages * head_dim * k_cache.dtype.itemsize  # per key of block_k
+    while block_k > MIN_DOT_DIM and block_k * tile_bytes > SHARED_MEMORY_BUDGET:
+        block_k //= 2
     # Short tables need no more pages per step than they have, but tl.dot needs >= 16 keys.
     pages_per_compute_block = max(MIN_DOT_DIM // block_size, 1,
                                   min(block_k // block_size, _next_power_of_2(item_tables.shape[1])))

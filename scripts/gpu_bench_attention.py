@@ -124,7 +124,7 @@ class Bench:
         # this kernel: splits x keys per step first, then warps x stages around the best
         best = (math.inf, None)
         sweep1 = [dict(decode_block_k=bk, decode_num_splits=sp) for bk, sp in
-                  itertools.product((64, 128, 256), (None, 1, 2, 4, 8))]
+                  itertools.product((32, 64, 128), (None, 1, 2, 4, 8))]
         for params in sweep1[:1] if self.dry else sweep1:
             best = min(best, self.time_ours(batch, PallasConfig(**params)), key=lambda t: t[0])
         if best[1] is None:  # every config failed: still measure the defaults below
