@@ -74,6 +74,7 @@ def test_greedy_matches_dense_reference(name, reference):
         assert hits > 0 and any(o.metrics.num_cached_tokens >= 32 for o in outputs[1::2])
     if name == "small_pool":
         assert preemptions > 0 and any(o.metrics.num_preemptions > 0 for o in outputs)
+        assert after["peak_kv_cache_usage"] > 0.8  # it preempted because the pool was full
     else:
         assert preemptions == 0
     if name == "chunked":
@@ -112,6 +113,19 @@ def test_stops_at_max_model_len():
     outputs = _run_engine(engine, prompts, [greedy_params(20)] * 3, "cap")
     assert [o.token_ids for o in outputs] == ref
     assert all(o.finish_reason == "length" for o in outputs)
+    assert_no_leak(engine)
+
+
+def test_stop_token_ends_the_request(reference):
+    prompts, _, _, _ = reference
+    engine = get_engine("big")
+    (ref,), _ = dense_greedy([prompts[6]], [20])
+    stop = ref[4]
+    want = ref[: ref.index(stop) + 1]  # the stop token is kept
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,))
+    (out,) = _run_engine(engine, [prompts[6]], [params], "stop")
+    assert out.token_ids == want
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert_no_leak(engine)
 
 
@@ -227,15 +241,20 @@ def test_seeded_logprobs_are_raw_dense_logprobs():
 
 def test_pallas_kernel_path_matches_dense_reference():
     """The GPU attention path (the Pallas kernel, here in interpret mode) behind the same
-    engine: prefill chunks, decodes and mixed steps give the reference tokens."""
+    engine: prefill chunks, decodes and mixed steps give the reference tokens. max_model_len
+    is not a multiple of block_size, so the last table column is a partial block."""
     base = big_llm().engine
+    max_model_len = 200
     config = EngineConfig(attention_impl="pallas", interpret=True, max_num_seqs=8, max_num_batched_tokens=32,
-                          max_model_len=MAX_MODEL_LEN, warm_up=False)
+                          max_model_len=max_model_len, warm_up=False)
     engine = LLMEngine(config, model=base.model, tokenizer=base.tokenizer)
+    assert engine.runner.max_blocks_per_seq == 13
     prompts, _ = make_prompts(seed=9, num=12)
     prompts = [p[:60] for p in prompts[:6]]  # 1..60 tokens: chunked at 32, mixed with decodes
-    ref, _ = dense_greedy(prompts, [6] * 6)
-    outputs = _run_engine(engine, prompts, [greedy_params(6)] * 6, "pallas")
+    prompts.append(np.random.default_rng(9).integers(0, 512, max_model_len - 4).tolist())  # runs into the cap
+    ref, _ = dense_greedy(prompts, [6] * 7, max_model_len=max_model_len)
+    assert len(ref[-1]) == 4
+    outputs = _run_engine(engine, prompts, [greedy_params(6)] * 7, "pallas")
     assert [o.token_ids for o in outputs] == ref
     assert engine.get_stats()["attention_impl"] == "pallas"
     assert_no_leak(engine)
