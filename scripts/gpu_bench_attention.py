@@ -109,7 +109,8 @@ class Bench:
         self.copy_gbs = 2 * x.nbytes / seconds / 1e9  # read + write
         self.add(case="device-to-device copy", us=round(seconds * 1e6, 1), gb_s=round(self.copy_gbs, 1))
 
-    def decode_rows(self, name, seq_lens):
+    def decode_rows(self, name, seq_lens, sweep):
+        """Decode rows; sweep=False reuses the configs the last sweep picked (compiles cost the budget)."""
         s = self.shape
         batch = self.paged_batch([1] * len(seq_lens), seq_lens, s["context"])
         kv_bytes = 2 * sum(seq_lens) * s["num_kv_heads"] * s["head_dim"] * 2  # K and V, bf16, tokens actually read
@@ -125,15 +126,17 @@ class Bench:
         best = (math.inf, None)
         sweep1 = [dict(decode_block_k=bk, decode_num_splits=sp) for bk, sp in
                   itertools.product((32, 64, 128), (None, 1, 2, 4, 8))]
-        for params in sweep1[:1] if self.dry else sweep1:
+        for params in (sweep1[:1] if self.dry else sweep1) if sweep else []:
             best = min(best, self.time_ours(batch, PallasConfig(**params)), key=lambda t: t[0])
-        if best[1] is None:  # every config failed: still measure the defaults below
-            best = (math.inf, PallasConfig())
-        for warps, stages in [] if self.dry else [(4, 3), (8, 2), (8, 3), (4, 4)]:
+        if best[1] is None:  # no sweep, or every config failed
+            best = (math.inf, getattr(self, "decode_best", PallasConfig()))
+        for warps, stages in [] if self.dry or not sweep else [(4, 3), (8, 2), (8, 3), (4, 4)]:
             params = dict(dataclass_fields(best[1]), decode_num_warps=warps, decode_num_stages=stages)
             best = min(best, self.time_ours(batch, PallasConfig(**params)), key=lambda t: t[0])
+        self.decode_best = best[1]
         fn = self.ours(best[1])
-        paged_s = row("paged pallas (best)", self.time_s(fn, *batch), fn(*batch), config=config_diff(best[1]))
+        paged_s = row(f"paged pallas ({'best' if sweep else 'config above'})", self.time_s(fn, *batch), fn(*batch),
+                      config=config_diff(best[1]))
         fn = self.ours(PallasConfig())
         row("paged pallas (defaults)", self.time_s(fn, *batch), fn(*batch))
 
@@ -148,7 +151,7 @@ class Bench:
                  rel_err=f"{self.check(fn(*contig), contig_expected):.1e}",
                  paging_overhead=round(paged_s / seconds - 1, 3))
 
-        self.jax_paged_attention(batch, seq_lens, row)
+        self.jax_paged_attention(batch, row, sweep)
         self.contiguous_xla(batch, seq_lens, row, paged_s)
 
     def time_ours(self, batch, config):
@@ -161,7 +164,7 @@ class Bench:
             print(f"  config {config_diff(config)} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             return math.inf, config
 
-    def jax_paged_attention(self, batch, seq_lens, row):
+    def jax_paged_attention(self, batch, row, sweep):
         from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
         q, k_cache, v_cache, block_tables, lengths = batch[:5]
@@ -171,10 +174,11 @@ class Bench:
         k_pages, v_pages = k_cache.transpose(2, 0, 1, 3), v_cache.transpose(2, 0, 1, 3)
         pages_per_seq = block_tables.shape[1]
         best = (math.inf, None, None)
-        sweep = [(ks, pp) for ks, pp in itertools.product((4, 8, 16, 32), (4, 8, 16))
-                 if pages_per_seq % ks == 0 and (pages_per_seq // ks) % min(pp, pages_per_seq // ks) == 0]
-        for k_splits, ppcb in sweep[:1] if self.dry else sweep:
-            if self.over_budget():
+        configs = [(ks, pp) for ks, pp in itertools.product((4, 8, 16, 32), (4, 8, 16))
+                   if pages_per_seq % ks == 0 and (pages_per_seq // ks) % min(pp, pages_per_seq // ks) == 0]
+        chosen = configs if sweep else [getattr(self, "jax_best", configs[0])]
+        for k_splits, ppcb in chosen[:1] if self.dry else chosen:
+            if self.over_budget() and best[1] is not None:
                 break
             fn = jax.jit(functools.partial(jax_paged.paged_attention, k_splits=k_splits,
                                            pages_per_compute_block=ppcb, interpret=self.interpret))
@@ -185,9 +189,10 @@ class Bench:
                 continue
             if seconds < best[0]:
                 best = (seconds, fn, dict(k_splits=k_splits, pages_per_compute_block=ppcb))
+                self.jax_best = (k_splits, ppcb)
         if best[1] is not None:
-            row("jax pallas paged_attention (best)", best[0], best[1](q, k_pages, v_pages, block_tables, lengths),
-                config=best[2])
+            variant = f"jax pallas paged_attention ({'best' if sweep else 'config above'})"
+            row(variant, best[0], best[1](q, k_pages, v_pages, block_tables, lengths), config=best[2])
 
     def contiguous_xla(self, batch, seq_lens, row, paged_s):
         q, k_cache, v_cache, block_tables = batch[:4]
@@ -200,7 +205,7 @@ class Bench:
         row("XLA attention, contiguous cache", seconds, fn(q, k, v, batch[4]),
             paged_vs_this=round(paged_s / seconds, 3))
 
-    def prefill_rows(self, num_seqs):
+    def prefill_rows(self, num_seqs, sweep):
         s = self.shape
         chunk, cached = s["prefill_tokens"], s["prefill_context"]
         batch = self.paged_batch([chunk] * num_seqs, [cached + chunk] * num_seqs, cached + chunk)
@@ -209,14 +214,16 @@ class Bench:
         expected = ragged_paged_attention(*batch, impl="xla")
         best = (math.inf, None)
         sweep1 = [dict(prefill_rows=r, prefill_block_k=bk) for r, bk in itertools.product((64, 128), (32, 64, 128))]
-        for params in sweep1[:1] if self.dry else sweep1:
+        for params in (sweep1[:1] if self.dry else sweep1) if sweep else []:
             best = min(best, self.time_ours(batch, PallasConfig(**params)), key=lambda t: t[0])
-        if best[1] is None:
-            best = (math.inf, PallasConfig())
-        for warps, stages in [] if self.dry else [(8, 2), (4, 3), (8, 3)]:
+        if best[1] is None:  # no sweep, or every config failed
+            best = (math.inf, getattr(self, "prefill_best", PallasConfig()))
+        for warps, stages in [] if self.dry or not sweep else [(8, 2), (4, 3), (8, 3)]:
             params = dict(dataclass_fields(best[1]), prefill_num_warps=warps, prefill_num_stages=stages)
             best = min(best, self.time_ours(batch, PallasConfig(**params)), key=lambda t: t[0])
-        for variant, config in (("paged pallas (best)", best[1]), ("paged pallas (defaults)", PallasConfig())):
+        self.prefill_best = best[1]
+        label = "best" if sweep else "config above"
+        for variant, config in ((f"paged pallas ({label})", best[1]), ("paged pallas (defaults)", PallasConfig())):
             fn = self.ours(config)
             seconds = self.time_s(fn, *batch)
             self.add(case=f"prefill {num_seqs}x{chunk} on {cached} cached", variant=variant,
@@ -270,11 +277,11 @@ def main():
     if not args.dry_run and device.platform != "gpu":
         sys.exit("no GPU visible: run with --dry-run on a CPU machine")
     bench.copy_bandwidth()
-    bench.decode_rows(f"decode {s['num_seqs']}x{s['context']}", [s["context"]] * s["num_seqs"])
+    bench.decode_rows(f"decode {s['num_seqs']}x{s['context']}", [s["context"]] * s["num_seqs"], sweep=True)
     ragged = [int(n) for n in bench.rng.integers(1, s["context"] + 1, s["num_seqs"])]
-    bench.decode_rows(f"decode {s['num_seqs']} ragged [1,{s['context']}]", ragged)
-    bench.prefill_rows(1)
-    bench.prefill_rows(4)
+    bench.decode_rows(f"decode {s['num_seqs']} ragged [1,{s['context']}]", ragged, sweep=False)
+    bench.prefill_rows(1, sweep=True)
+    bench.prefill_rows(4, sweep=False)
     print_table(bench.rows)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gpu_bench_attention" + (".dryrun" if args.dry_run else "") + ".json")
