@@ -93,7 +93,7 @@ def test_generate_text_prompt_and_single_prompt_forms():
     assert out.prompt == text and out.prompt_token_ids == ids
     assert out.token_ids == ref and out.text == llm.tokenizer.decode(ref)
     assert out.outputs[0].logprobs is None  # not asked for
-    (out_ids,) = llm.generate(ids, greedy_params(10), use_tqdm=False)  # one token-id prompt
+    (out_ids,) = llm.generate(ids, greedy_params(10))  # one token-id prompt, default progress bar
     assert out_ids.prompt is None and out_ids.token_ids == ref
     (out_np,) = llm.generate(np.asarray(ids), greedy_params(10), use_tqdm=False)  # numpy ids work too
     assert out_np.token_ids == ref
