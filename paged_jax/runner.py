@@ -22,6 +22,10 @@ from paged_jax.sampler import sample
 # Smallest token / sequence buckets: below these, padding costs less than another compile.
 MIN_TOKEN_BUCKET = 16
 MIN_SEQ_BUCKET = 8
+# A memory-derived pool never exceeds this many blocks (4M tokens at block_size 16): the
+# host keeps one Python object per block, and only tiny models on big GPUs reach it (a
+# Llama-3.1-8B in 100 GB of bf16 KV is ~50k blocks).
+MAX_AUTO_BLOCKS = 1 << 18
 
 
 def default_attention_impl() -> str:
@@ -34,9 +38,10 @@ def num_blocks_for_budget(config, block_size: int, kv_cache_dtype, *, num_blocks
     """How many KV blocks (null block included) the pool gets.
 
     Precedence: num_blocks, else kv_cache_memory_bytes // bytes per block, else
-    gpu_memory_utilization of the device's free memory. Devices that report no memory
-    statistics (the CPU) get room for max_num_seqs full-length sequences, the most the
-    scheduler can ever hold at once, so nothing is preempted there unless asked for.
+    gpu_memory_utilization of the device's free memory (at most MAX_AUTO_BLOCKS). Devices
+    that report no memory statistics (the CPU) get room for max_num_seqs full-length
+    sequences, the most the scheduler can ever hold at once, so nothing is preempted there
+    unless asked for.
     """
     per_block = kv_cache_bytes_per_block(config, block_size, kv_cache_dtype)
     if num_blocks is not None:
@@ -50,7 +55,7 @@ def num_blocks_for_budget(config, block_size: int, kv_cache_dtype, *, num_blocks
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-        return max(2, int(free * gpu_memory_utilization) // per_block)
+        return max(2, min(int(free * gpu_memory_utilization) // per_block, MAX_AUTO_BLOCKS))
     return max_num_seqs * math.ceil(max_model_len / block_size) + 1
 
 
