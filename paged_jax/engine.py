@@ -174,7 +174,6 @@ class LLMEngine:
         self._extra_eos_ids = tuple(eos_ids[1:])
         self._live: dict[str, tuple[Request, RequestOutput]] = {}
         self._prefix_totals = PrefixCacheStats()
-        self.peak_kv_usage = 0.0
         self.num_generated_tokens = 0
         if c.warm_up:
             self.runner.warm_up()
@@ -234,8 +233,6 @@ class LLMEngine:
         """Schedules, runs one jitted step and applies its tokens; returns the outputs of
         the requests that got a token (finished ones have finished=True)."""
         scheduler_output = self.scheduler.schedule()
-        # Usage peaks here: this step's blocks are allocated and finished requests not yet freed.
-        self.peak_kv_usage = max(self.peak_kv_usage, self.kv_cache_manager.usage)
         token_ids, logprobs = self.runner.execute(self.input_builder.build(scheduler_output))
         return self._make_outputs(self.scheduler.update_from_output(scheduler_output, token_ids, logprobs))
 
@@ -269,7 +266,6 @@ class LLMEngine:
             setattr(prefix, name, getattr(prefix, name) + getattr(interval, name))
         return {
             **self.scheduler.get_stats(),
-            "peak_kv_cache_usage": self.peak_kv_usage,
             "prefix_cache_queries": prefix.queries,
             "prefix_cache_hits": prefix.hits,
             "prefix_cache_hit_rate": prefix.hit_rate,

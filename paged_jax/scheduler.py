@@ -117,6 +117,7 @@ class Scheduler:
         self.num_finished = 0
         self.num_aborted = 0
         self.num_steps = 0
+        self.peak_kv_cache_usage = 0.0
 
     # admission
     def check_request_fits(self, request: Request) -> None:
@@ -199,6 +200,8 @@ class Scheduler:
         for request, num_tokens in zip(out.requests, out.num_scheduled_tokens):
             request.num_computed_tokens += num_tokens
         self.num_steps += 1
+        # Usage peaks here: this step's blocks are allocated, finished requests not yet freed.
+        self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, kv.usage)
         return out
 
     def _preempt(self, request: Request) -> None:
@@ -295,4 +298,5 @@ class Scheduler:
             "num_aborted": self.num_aborted,
             "num_steps": self.num_steps,
             "kv_cache_usage": self.kv_cache_manager.usage,
+            "peak_kv_cache_usage": self.peak_kv_cache_usage,
         }
