@@ -30,9 +30,11 @@ def _cli(*args, timeout=300):
 def test_generate_prints_completions_and_the_table(tmp_path: Path):
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text(f"\n{PROMPTS[1]}\n\n", encoding="utf-8")  # blank lines are skipped
+    cache_dir = tmp_path / "xla-cache"
     result = _cli("generate", "--prompt", PROMPTS[0], "--prompts-file", str(prompts_file), "--max-tokens", "8",
-                  "--ignore-eos", *ENGINE_FLAGS)
+                  "--ignore-eos", "--compile-cache-dir", str(cache_dir), *ENGINE_FLAGS)
     assert result.returncode == 0, result.stderr
+    assert any(cache_dir.iterdir()), "the persistent compilation cache stayed empty: a rerun would compile again"
     assert "Traceback" not in result.stderr
     out = result.stdout
     for prompt in PROMPTS:
