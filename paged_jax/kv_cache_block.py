@@ -128,30 +128,24 @@ class FreeKVCacheBlockQueue:
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Put blocks at the tail in the given order (the last one is evicted last)."""
         tail = self.fake_free_list_tail
-        prev = tail.prev_free_block
-        n = 0
-        for block in blocks:
-            prev.next_free_block = block
-            block.prev_free_block = prev
-            prev = block
-            n += 1
-        prev.next_free_block = tail
-        tail.prev_free_block = prev
-        self.num_free_blocks += n
+        self._splice(tail.prev_free_block, tail, blocks)
 
     def prepend_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Put blocks at the head in the given order (the first one is evicted first)."""
         head = self.fake_free_list_head
-        first = head.next_free_block
-        prev = head
+        self._splice(head, head.next_free_block, blocks)
+
+    def _splice(self, before: KVCacheBlock, after: KVCacheBlock, blocks: Iterable[KVCacheBlock]) -> None:
+        """Link blocks, in order, between the adjacent nodes before and after."""
+        prev = before
         n = 0
         for block in blocks:
             prev.next_free_block = block
             block.prev_free_block = prev
             prev = block
             n += 1
-        prev.next_free_block = first
-        first.prev_free_block = prev
+        prev.next_free_block = after
+        after.prev_free_block = prev
         self.num_free_blocks += n
 
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
