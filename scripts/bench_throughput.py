@@ -235,6 +235,18 @@ def main(argv=None) -> int:
     print(f"paged-jax load + warm-up {info['paged_jax']['load_and_warm_up_s']:.0f} s "
           f"({info['paged_jax']['compiled_shapes']} shapes); HF load {info['hf']['load_s']:.1f} s", flush=True)
 
+    def save(compute, complete: bool) -> dict:
+        result = {
+            "workloads": results, "compute": compute, "startup": info, "paged_jax_engine": engine_args,
+            "hf": {"batch_size": hf_batch, "cache": "DynamicCache (default)", "attention": "sdpa (default)",
+                   "threads": info["hf"]["threads"]},
+            "model": BENCH_MODEL, "runs": runs, "quick": args.quick, "complete": complete,
+            "wall_s": time.perf_counter() - t_start, "machine": machine_info(),
+            "command": "python scripts/bench_throughput.py" + (" --quick" if args.quick else ""),
+        }
+        write_json(args.out, result)
+        return result
+
     results = {}
     for name in names:
         w = workloads[name]
@@ -263,19 +275,12 @@ def main(argv=None) -> int:
             "prompt_tokens": sum(map(len, w["prompts"])),
             "agreement": agreement(tokens["hf"], tokens["paged_jax"]), "runs": per,
         }
+        save(None, complete=False)  # a crash later still leaves the finished workloads on disk
     compute = None if args.no_compute else pj.call(cmd="compute")
     hf.close()
     pj.close()
     tmp.cleanup()
-
-    result = {
-        "workloads": results, "compute": compute, "startup": info, "paged_jax_engine": engine_args,
-        "hf": {"batch_size": hf_batch, "cache": "DynamicCache (default)", "attention": "sdpa (default)",
-               "threads": info["hf"]["threads"]},
-        "model": BENCH_MODEL, "runs": runs, "quick": args.quick, "wall_s": time.perf_counter() - t_start,
-        "machine": machine_info(),
-        "command": "python scripts/bench_throughput.py" + (" --quick" if args.quick else ""),
-    }
+    result = save(compute, complete=True)
     rows = []
     for name, r in results.items():
         rows.append([name, r["generated_tokens"], f"{r['tokens_per_s']['hf']:.0f}", f"{r['tokens_per_s']['paged_jax']:.0f}",
@@ -289,7 +294,7 @@ def main(argv=None) -> int:
         from bench_compute import COMPUTE_COLUMNS, compute_rows
 
         print_table("compute efficiency (paged-jax worker, same run)", COMPUTE_COLUMNS, compute_rows(compute))
-    write_json(args.out, result)
+    print(f"wrote {args.out} ({result['wall_s'] / 60:.1f} min)")
     return 0
 
 
