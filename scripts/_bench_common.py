@@ -57,7 +57,25 @@ def machine_info() -> dict:
         "torch": _version("torch"), "transformers": _version("transformers"),
         "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        **_git_state(),
     }
+
+
+def _git_state() -> dict:
+    """The commit measured, and whether library code differed from it (uncommitted edits)."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    try:
+        dirty = git("status", "--porcelain", "--", "paged_jax", "pallas_kernels", "models")
+        return {"git_head": git("rev-parse", "--short", "HEAD"), "library_uncommitted_changes": bool(dirty)}
+    except OSError:
+        return {}
+
+
+def command_line() -> str:
+    """The command that produced a result, as typed (relative script path, same flags)."""
+    return "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
 
 
 def median(xs) -> float:

@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from _bench_common import machine_info, make_checkpoint, print_table, useful_flops, write_json
+from _bench_common import command_line, machine_info, make_checkpoint, print_table, useful_flops, write_json
 
 PREFILL_LEN = (64, 512)
 DECODE_PROMPT_LEN = 256
@@ -154,8 +154,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model", default=None, help="HF Llama directory (default: make the benchmark model)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--out", default="results/bench_compute.json")
+    parser.add_argument("--out", default=None, help="default: results/bench_compute[_quick].json")
     args = parser.parse_args(argv)
+    args.out = args.out or f"results/bench_compute{'_quick' if args.quick else ''}.json"
     tmp = None
     if args.model is None:
         tmp = tempfile.TemporaryDirectory(prefix="paged_jax_bench_")
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
     warm_up_s = time.perf_counter() - t0
     result = measure_compute(engine, quick=args.quick)
     result.update(engine_load_and_warm_up_s=warm_up_s, max_num_batched_tokens=args.max_num_batched_tokens,
-                  machine=machine_info(), command="python scripts/bench_compute.py" + (" --quick" if args.quick else ""))
+                  machine=machine_info(), command=command_line())
     print_table("compute efficiency (float32, CPU, attention_impl=xla)", COMPUTE_COLUMNS, compute_rows(result))
     write_json(args.out, result)
     if tmp is not None:

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from _bench_common import machine_info, print_table, write_json
+from _bench_common import command_line, machine_info, print_table, write_json
 from paged_jax.kv_cache_manager import KVCacheManager
 from paged_jax.request import Request, SamplingParams
 from paged_jax.scheduler import Scheduler
@@ -115,8 +115,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=1024, help="high, so the KV budget is the limit")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="results/bench_memory.json")
+    parser.add_argument("--out", default=None, help="default: results/bench_memory[_quick].json")
     args = parser.parse_args(argv)
+    args.out = args.out or f"results/bench_memory{'_quick' if args.quick else ''}.json"
     n = args.num_requests or (300 if args.quick else 2000)
 
     rng = np.random.default_rng(args.seed)
@@ -142,7 +143,7 @@ def main(argv=None) -> int:
                      "kv_budget_tokens": args.kv_budget_tokens, "max_model_len": args.max_model_len,
                      "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens},
         "machine": machine_info(),
-        "command": "python scripts/bench_memory.py" + (" --quick" if args.quick else ""),
+        "command": command_line(),
     }
     pct = lambda x: f"{100 * x:.1f}%"  # noqa: E731
     rows = [

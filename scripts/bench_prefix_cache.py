@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from _bench_common import BENCH_MODEL, machine_info, make_checkpoint, print_table, write_json
+from _bench_common import BENCH_MODEL, command_line, machine_info, make_checkpoint, print_table, write_json
 
 SYSTEM_LEN = 2000
 QUESTION_LEN = 50
@@ -43,8 +43,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="results/bench_prefix_cache.json")
+    parser.add_argument("--out", default=None, help="default: results/bench_prefix_cache[_quick].json")
     args = parser.parse_args(argv)
+    args.out = args.out or f"results/bench_prefix_cache{'_quick' if args.quick else ''}.json"
     reps = args.reps or (2 if args.quick else 5)
 
     tmp = None
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
                    "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": args.max_num_seqs,
                    "max_model_len": 4096, "dtype": "float32", "model": BENCH_MODEL, "attention_impl": "xla"},
         "machine": machine_info(),
-        "command": "python scripts/bench_prefix_cache.py" + (" --quick" if args.quick else ""),
+        "command": command_line(),
     }
     ms = lambda s: f"{1e3 * s:.1f} ms"  # noqa: E731
     rows = [

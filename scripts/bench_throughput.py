@@ -36,8 +36,8 @@ import time
 
 import numpy as np
 
-from _bench_common import (BENCH_MODEL, machine_info, make_checkpoint, median, peak_rss_mib, print_table,
-                           reset_peak_rss, rss_mib, write_json)
+from _bench_common import (BENCH_MODEL, command_line, machine_info, make_checkpoint, median, peak_rss_mib,
+                           print_table, reset_peak_rss, rss_mib, write_json)
 
 TARGETS = {"mixed": 1.5, "shared": 3.0, "varied": 2.0}
 BLOCK_SIZE = 16
@@ -210,8 +210,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--model", default=None, help="HF Llama directory (default: make the benchmark model)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="results/bench_throughput.json")
+    parser.add_argument("--out", default=None, help="default: results/bench_throughput[_quick].json")
     args = parser.parse_args(argv)
+    args.out = args.out or f"results/bench_throughput{'_quick' if args.quick else ''}.json"
     runs = args.runs or (1 if args.quick else 3)
     workloads = make_workloads(args.quick, args.seed)
     names = [w for w in args.workloads.split(",") if w]
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
                    "threads": info["hf"]["threads"]},
             "model": BENCH_MODEL, "runs": runs, "quick": args.quick, "complete": complete,
             "wall_s": time.perf_counter() - t_start, "machine": machine_info(),
-            "command": "python scripts/bench_throughput.py" + (" --quick" if args.quick else ""),
+            "command": command_line(),
         }
         write_json(args.out, result)
         return result
