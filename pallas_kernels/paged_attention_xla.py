@@ -4,7 +4,8 @@ The query tokens of every sequence are cut into query blocks, one sequence per b
 block gathers its sequence's pages once for all its rows and all query heads of a KV group.
 Decoding sequences (one token) form blocks of one row; prefill chunks form blocks of
 PREFILL_QUERY_BLOCK rows. Both paths always run, but every loop trip count is dynamic:
-an outer loop walks groups of real blocks only (padding blocks of the bucket cost nothing)
+an outer loop walks groups of real blocks only (padding blocks of the bucket cost nothing;
+the last, partial group is walked in groups of 1/8 the size)
 and an inner loop walks the context in chunks of CONTEXT_CHUNK_TOKENS keys with an online
 softmax, up to the longest context of the group rather than the block-table width. Memory
 is bounded by one group's chunk, group_blocks x chunk x num_kv_heads x head_dim.
@@ -106,15 +107,22 @@ def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_sca
     tables = jnp.pad(block_tables, ((0, 0), (0, cdiv(max_blocks_per_seq, chunk_pages) * chunk_pages
                                              - max_blocks_per_seq)))
 
-    def group_step(g, out):
-        take = functools.partial(lax.dynamic_slice_in_dim, start_index=g * group_blocks, slice_size=group_blocks)
-        out_g = _attend_group(q, k_cache, v_cache, tables[take(blocks.seq)], take(blocks.q_pos0),
-                              take(blocks.num_rows), take(blocks.row_token), sm_scale)
-        return out.at[take(dest)].set(out_g.astype(out.dtype), mode="drop")
+    def run_groups(out, first_block, num_groups, size):
+        def group_step(g, out):
+            take = functools.partial(lax.dynamic_slice_in_dim, start_index=first_block + g * size, slice_size=size)
+            out_g = _attend_group(q, k_cache, v_cache, tables[take(blocks.seq)], take(blocks.q_pos0),
+                                  take(blocks.num_rows), take(blocks.row_token), sm_scale)
+            return out.at[take(dest)].set(out_g.astype(out.dtype), mode="drop")
 
-    # Real blocks are packed first: walk only the groups that hold some.
-    num_real_groups = cdiv(jnp.sum(cdiv(q_lens, block_q)), group_blocks)
-    return lax.fori_loop(0, num_real_groups, group_step, out)
+        return lax.fori_loop(0, num_groups, group_step, out)
+
+    # Real blocks are packed first: walk whole groups of them, then the rest in small groups,
+    # so a short chunk (a prefix-cache hit's 50-token question) computes no padding blocks.
+    num_real_blocks = jnp.sum(cdiv(q_lens, block_q))
+    num_full_groups = num_real_blocks // group_blocks
+    out = run_groups(out, 0, num_full_groups, group_blocks)
+    tail = max(1, group_blocks // 8)
+    return run_groups(out, num_full_groups * group_blocks, cdiv(num_real_blocks % group_blocks, tail), tail)
 
 
 def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, sm_scale):
