@@ -5,7 +5,7 @@ block gathers its sequence's pages once for all its rows and all query heads of 
 Decoding sequences (one token) form blocks of one row; prefill chunks form blocks of
 PREFILL_QUERY_BLOCK rows. Both paths always run, but every loop trip count is dynamic:
 an outer loop walks groups of real blocks only (padding blocks of the bucket cost nothing;
-the last, partial group is walked in groups of 1/8 the size)
+the last, partial group of prefill blocks is walked one block at a time)
 and an inner loop walks the context in chunks of CONTEXT_CHUNK_TOKENS keys with an online
 softmax, up to the longest context of the group rather than the block-table width. Memory
 is bounded by one group's chunk, group_blocks x chunk x num_kv_heads x head_dim.
@@ -116,13 +116,17 @@ def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_sca
 
         return lax.fori_loop(0, num_groups, group_step, out)
 
-    # Real blocks are packed first: walk whole groups of them, then the rest in small groups,
-    # so a short chunk (a prefix-cache hit's 50-token question) computes no padding blocks.
+    # Real blocks are packed first: walk only the groups that hold some.
     num_real_blocks = jnp.sum(cdiv(q_lens, block_q))
+    if block_q == 1:
+        # Decode rows are cheap next to one more loop trip over the context: a part-filled
+        # group beats several small ones (bench_throughput's varied workload, 17% slower).
+        return run_groups(out, 0, cdiv(num_real_blocks, group_blocks), group_blocks)
+    # Prefill blocks are 32 rows each: walk whole groups, then the rest one block at a time,
+    # so a short chunk (a prefix-cache hit's 50-token question) computes no padding blocks.
     num_full_groups = num_real_blocks // group_blocks
     out = run_groups(out, 0, num_full_groups, group_blocks)
-    tail = max(1, group_blocks // 8)
-    return run_groups(out, num_full_groups * group_blocks, cdiv(num_real_blocks % group_blocks, tail), tail)
+    return run_groups(out, num_full_groups * group_blocks, num_real_blocks % group_blocks, 1)
 
 
 def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, sm_scale):
