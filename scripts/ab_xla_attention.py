@@ -1,0 +1,85 @@
+"""A/B of the XLA attention path: this tree's pallas_kernels/paged_attention_xla.py against
+the same file at another commit, both jitted in one process on the same data.
+
+Shapes are the throughput benchmark model's (8 query / 2 KV heads, head_dim 64, block 16,
+2176 blocks, 64 sequence slots); each case prints medians of 7 calls per version.
+
+    python scripts/ab_xla_attention.py 18c587d
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import pallas_kernels.paged_attention_xla as current  # noqa: E402
+
+
+def load_at(rev: str):
+    source = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:pallas_kernels/paged_attention_xla.py"],
+                            check=True, capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "paged_attention_xla_at_rev.py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("paged_attention_xla_at_rev", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rev", help="the commit to compare against, e.g. 18c587d")
+    args = parser.parse_args()
+    other = load_at(args.rev)
+    rng = np.random.default_rng(0)
+    block_size, num_q_heads, num_kv_heads, head_dim, max_seqs, width, num_blocks = 16, 8, 2, 64, 64, 128, 2176
+    k_cache = jnp.asarray(rng.standard_normal((num_blocks, block_size, num_kv_heads, head_dim)), jnp.float32)
+    v_cache = k_cache + 1
+    tables = jnp.asarray(rng.integers(1, num_blocks, (max_seqs, width)), jnp.int32)
+
+    def case(q_lens, seq_lens, num_tokens):
+        n = len(q_lens)
+        qsl = np.zeros(max_seqs + 1, np.int32)
+        qsl[1:n + 1] = np.cumsum(q_lens)
+        qsl[n + 1:] = qsl[n]
+        lens = np.zeros(max_seqs, np.int32)
+        lens[:n] = seq_lens
+        q = jnp.asarray(rng.standard_normal((num_tokens, num_q_heads, head_dim)), jnp.float32)
+        return (q, k_cache, v_cache, tables, jnp.asarray(lens), jnp.asarray(qsl), jnp.asarray([n], jnp.int32),
+                head_dim ** -0.5)
+
+    cases = {"decode 16 @600": case([1] * 16, [600] * 16, 16), "decode 64 @600": case([1] * 64, [600] * 64, 64),
+             "40 decodes + 300-token chunk": case([1] * 40 + [300], [600] * 40 + [300], 512),
+             "prefill 4 x 256": case([256] * 4, [256] * 4, 1024),
+             "50-token chunk on 2050": case([50], [2050], 64)}
+    print(f"{'case':30s} {args.rev + ' ms':>12s} {'this tree ms':>13s} {'ratio':>6s}")
+    for name, call_args in cases.items():
+        times = {}
+        for tag, module in ((args.rev, other), ("current", current)):
+            f = jax.jit(module.ragged_paged_attention_xla)
+            f(*call_args).block_until_ready()
+            samples = []
+            for _ in range(7):
+                start = time.perf_counter()
+                f(*call_args).block_until_ready()
+                samples.append(time.perf_counter() - start)
+            times[tag] = 1e3 * float(np.median(samples))
+        print(f"{name:30s} {times[args.rev]:12.2f} {times['current']:13.2f} {times['current'] / times[args.rev]:6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
