@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers", reason="HF parity needs trans
 
 from models.llama import init_kv_caches  # noqa: E402
 from models.loader import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
-from test_llama import build_step_inputs  # noqa: E402
+from hand_step_inputs import hand_step_inputs  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -79,7 +79,7 @@ def paged_logits(model, ids, chunk_ends, block_size=8, num_blocks=24, seed=0):
     rows, start = [], 0
     for end in chunk_ends:
         chunks = [(row, blocks, start, end) for row, blocks in zip(ids, block_ids)]
-        inputs = build_step_inputs(chunks, block_size, width=blocks_per_seq + 1,
+        inputs = hand_step_inputs(chunks, block_size, width=blocks_per_seq + 1,
                                    token_bucket=-(-len(ids) * (end - start) // 16) * 16, seq_bucket=4)
         logits, kv_caches = step(inputs.token_ids, inputs.positions, kv_caches, inputs)
         rows.append(np.asarray(logits)[:len(ids)])

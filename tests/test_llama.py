@@ -18,7 +18,7 @@ from flax import nnx
 from models.layers import apply_rope, rope_inv_freq
 from models.llama import (Llama3RopeScaling, LlamaConfig, LlamaForCausalLM, init_kv_caches,
                           kv_cache_bytes_per_block)
-from paged_jax.batch import StepInputs
+from hand_step_inputs import hand_step_inputs
 
 # ---------------------------------------------------------------- config
 
@@ -111,37 +111,6 @@ def test_llama3_scaling_bands():
 # ---------------------------------------------------------------- paged vs dense
 
 
-def build_step_inputs(chunks, block_size, width, token_bucket, seq_bucket):
-    """StepInputs for one step, padded as paged_jax.batch pads (padding -> null block 0).
-
-    chunks: list of (tokens, block_ids, start, end): the sequence's tokens [start, end) run
-    this step, with tokens [0, start) already in the cache.
-    """
-    token_ids, positions, slots, qsl, seq_lens, logits_indices = [], [], [], [0], [], []
-    for tokens, block_ids, start, end in chunks:
-        for pos in range(start, end):
-            token_ids.append(tokens[pos])
-            positions.append(pos)
-            slots.append(block_ids[pos // block_size] * block_size + pos % block_size)
-        qsl.append(len(token_ids))
-        seq_lens.append(end)
-        logits_indices.append(len(token_ids) - 1)
-    num_tokens, num_seqs = len(token_ids), len(chunks)
-    assert num_tokens <= token_bucket and num_seqs <= seq_bucket, "test schedule exceeds its buckets"
-    block_tables = np.zeros((seq_bucket, width), np.int32)
-    for i, (_, block_ids, _, _) in enumerate(chunks):
-        block_tables[i, :len(block_ids)] = block_ids
-
-    def pad(xs, n, fill=0):
-        return np.array(xs + [fill] * (n - len(xs)), np.int32)
-
-    return StepInputs(
-        token_ids=pad(token_ids, token_bucket), positions=pad(positions, token_bucket),
-        slot_mapping=pad(slots, token_bucket), block_tables=block_tables,
-        seq_lens=pad(seq_lens, seq_bucket), query_start_loc=pad(qsl, seq_bucket + 1, fill=num_tokens),
-        num_seqs=np.array([num_seqs], np.int32), logits_indices=pad(logits_indices, seq_bucket))
-
-
 # Per sequence: its total length, then per step the end of the tokens it runs (None: idle).
 # Sequence 0 prefills in 3 chunks then decodes; 1 prefills at once then decodes; 2 joins late.
 SCHEDULE = {
@@ -176,7 +145,7 @@ def run_paged_vs_dense(config, impl, *, block_size=4, num_blocks=20, token_bucke
             if ends[s] is not None:
                 chunks.append((tokens[i], block_ids[i], done[i], ends[s]))
                 order.append(i)
-        inputs = build_step_inputs(chunks, block_size, width, token_bucket, seq_bucket)
+        inputs = hand_step_inputs(chunks, block_size, width, token_bucket, seq_bucket)
         logits, kv_caches = step(inputs.token_ids, inputs.positions, kv_caches, inputs)
         logits = np.asarray(logits)
         assert logits.shape == (seq_bucket, config.vocab_size) and logits.dtype == np.float32
@@ -248,7 +217,7 @@ def test_step_with_donated_caches_updates_in_place():
     kv_caches = init_kv_caches(config, num_blocks, block_size)
     cache_bytes = kv_caches[0][0].nbytes
     tokens = np.arange(5) + 3
-    inputs = build_step_inputs([(tokens, [7], 0, 5)], block_size, width=4, token_bucket=8, seq_bucket=2)
+    inputs = hand_step_inputs([(tokens, [7], 0, 5)], block_size, width=4, token_bucket=8, seq_bucket=2)
     inputs = jax.tree.map(jnp.asarray, inputs)
 
     stats = step.lower(state, kv_caches, inputs).compile().memory_analysis()
@@ -270,7 +239,7 @@ def test_step_with_donated_caches_updates_in_place():
 def test_wrong_number_of_caches_is_a_value_error():
     config = LlamaConfig.from_preset("tiny")
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
-    inputs = build_step_inputs([(np.arange(3), [1], 0, 3)], 4, 2, 4, 1)
+    inputs = hand_step_inputs([(np.arange(3), [1], 0, 3)], 4, 2, 4, 1)
     caches = init_kv_caches(dataclasses.replace(config, num_layers=1), 4, 4)
     with pytest.raises(ValueError, match="kv cache"):
         model(inputs.token_ids, inputs.positions, caches, inputs)
