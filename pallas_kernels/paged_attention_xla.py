@@ -5,9 +5,11 @@ block gathers its sequence's pages once for all its rows and all query heads of 
 Decoding sequences (one token) form blocks of one row; prefill chunks form blocks of
 PREFILL_QUERY_BLOCK rows. Both paths always run, but every loop trip count is dynamic:
 an outer loop walks groups of real blocks only (padding blocks of the bucket cost nothing;
-the last, partial group of prefill blocks is walked one block at a time)
-and an inner loop walks the context in chunks of CONTEXT_CHUNK_TOKENS keys with an online
-softmax, up to the longest context of the group rather than the block-table width. Memory
+what is left after the whole groups goes in small groups: decode rows DECODE_TAIL_GROUP at a
+time, prefill blocks one at a time) and an inner loop walks the context in chunks of
+CONTEXT_CHUNK_TOKENS keys with an online softmax, up to the longest context of the group
+rather than the block-table width. Decode rows are sorted longest context first, so that a
+group's members need about as many chunks as its longest one. Memory
 is bounded by one group's chunk, group_blocks x chunk x num_kv_heads x head_dim.
 
 Einsum legend: B = query block, Q = query row in the block, K = KV head, G = query head
@@ -17,6 +19,7 @@ within the KV group, D = head_dim, C = key position within the context chunk.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +31,7 @@ from pallas_kernels.ragged_batch import cdiv, query_blocks, ragged_batch
 # Finite, so a row with every key masked (a padding row) gives a finite output, not NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 DECODE_GROUP = 32  # decoding sequences per outer step
+DECODE_TAIL_GROUP = 8  # decoding sequences per outer step once fewer than DECODE_GROUP are left
 PREFILL_QUERY_BLOCK = 32  # query tokens per prefill block
 PREFILL_GROUP = 8  # prefill blocks per outer step
 CONTEXT_CHUNK_TOKENS = 128  # small chunks stay in cache and let causal blocks stop early (bench_attention.py)
@@ -99,6 +103,12 @@ def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_sca
     max_blocks_per_seq = block_tables.shape[1]
     num_groups = cdiv(num_blocks, group_blocks)
     blocks = query_blocks(batch, q_lens, num_groups * group_blocks, block_q)
+    if block_q == 1:
+        # Decoding sequences, longest context first: a group walks the context as far as its
+        # longest member, so groups of similar lengths waste little (padding blocks go last).
+        order = jnp.argsort(jnp.where(blocks.num_rows > 0, -batch.seq_lens[blocks.seq], 1))
+        blocks = blocks._replace(seq=blocks.seq[order], row_token=blocks.row_token[order],
+                                 q_pos0=blocks.q_pos0[order], num_rows=blocks.num_rows[order])
     # Rows without a query point past the end and are dropped by the scatter.
     valid = jnp.arange(block_q)[None, :] < blocks.num_rows[:, None]
     dest = jnp.where(valid, blocks.row_token, num_tokens)  # [blocks, Q]
@@ -118,15 +128,15 @@ def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_sca
 
     # Real blocks are packed first: walk only the groups that hold some.
     num_real_blocks = jnp.sum(cdiv(q_lens, block_q))
-    if block_q == 1:
-        # Decode rows are cheap next to one more loop trip over the context: a part-filled
-        # group beats several small ones (bench_throughput's varied workload, 17% slower).
-        return run_groups(out, 0, cdiv(num_real_blocks, group_blocks), group_blocks)
-    # Prefill blocks are 32 rows each: walk whole groups, then the rest one block at a time,
-    # so a short chunk (a prefix-cache hit's 50-token question) computes no padding blocks.
+    # Walk whole groups, then the rest in small groups, so a small batch (the tail of a run, a
+    # prefix-cache hit's 50-token question) computes few padding blocks. Decode rows go 8 at a
+    # time (8 decodes: 2.7 -> 1.1 ms against one part-filled group of 32, and the 64-row
+    # batches no slower; scripts/ab_xla_attention.py), prefill blocks of 32 rows one at a
+    # time. The small size divides group_blocks, so no slice of the block list clamps back.
+    small = math.gcd(DECODE_TAIL_GROUP, group_blocks) if block_q == 1 else 1
     num_full_groups = num_real_blocks // group_blocks
     out = run_groups(out, 0, num_full_groups, group_blocks)
-    return run_groups(out, num_full_groups * group_blocks, num_real_blocks % group_blocks, 1)
+    return run_groups(out, num_full_groups * group_blocks, cdiv(num_real_blocks % group_blocks, small), small)
 
 
 def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, sm_scale):

@@ -2,7 +2,7 @@
 the same file at another commit, both jitted in one process on the same data.
 
 Shapes are the throughput benchmark model's (8 query / 2 KV heads, head_dim 64, block 16,
-2176 blocks, 64 sequence slots); each case prints medians of 7 calls per version.
+2176 blocks, 64 sequence slots); each case prints medians of 15 calls per version, alternating.
 
     python scripts/ab_xla_attention.py 18c587d
 """
@@ -61,22 +61,30 @@ def main() -> int:
         return (q, k_cache, v_cache, tables, jnp.asarray(lens), jnp.asarray(qsl), jnp.asarray([n], jnp.int32),
                 head_dim ** -0.5)
 
+    def ragged_decode(n, lo, hi):  # decodes of contexts spread over [lo, hi), like a run's tail
+        lens = rng.integers(lo, hi, n).tolist()
+        return case([1] * n, lens, n)
+
     cases = {"decode 16 @600": case([1] * 16, [600] * 16, 16), "decode 64 @600": case([1] * 64, [600] * 64, 64),
+             "decode 64 @64-600": ragged_decode(64, 64, 600), "decode 48 @300-1000": ragged_decode(48, 300, 1000),
+             "decode 24 @500-1000": ragged_decode(24, 500, 1000), "decode 8 @800-1024": ragged_decode(8, 800, 1024),
+             "decode 3 @800-1024": ragged_decode(3, 800, 1024),
              "40 decodes + 300-token chunk": case([1] * 40 + [300], [600] * 40 + [300], 512),
              "prefill 4 x 256": case([256] * 4, [256] * 4, 1024),
              "50-token chunk on 2050": case([50], [2050], 64)}
     print(f"{'case':30s} {args.rev + ' ms':>12s} {'this tree ms':>13s} {'ratio':>6s}")
+    versions = {args.rev: jax.jit(other.ragged_paged_attention_xla),
+                "current": jax.jit(current.ragged_paged_attention_xla)}
     for name, call_args in cases.items():
-        times = {}
-        for tag, module in ((args.rev, other), ("current", current)):
-            f = jax.jit(module.ragged_paged_attention_xla)
+        samples = {tag: [] for tag in versions}
+        for f in versions.values():
             f(*call_args).block_until_ready()
-            samples = []
-            for _ in range(7):
+        for _ in range(15):  # alternate the versions, so a noisy neighbour hits both alike
+            for tag, f in versions.items():
                 start = time.perf_counter()
                 f(*call_args).block_until_ready()
-                samples.append(time.perf_counter() - start)
-            times[tag] = 1e3 * float(np.median(samples))
+                samples[tag].append(time.perf_counter() - start)
+        times = {tag: 1e3 * float(np.median(v)) for tag, v in samples.items()}
         print(f"{name:30s} {times[args.rev]:12.2f} {times['current']:13.2f} {times['current'] / times[args.rev]:6.2f}")
     return 0
 

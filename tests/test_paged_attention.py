@@ -165,6 +165,21 @@ def test_many_sequences_xla():
     check_batch(batch, jnp.float32, impls=("xla",), with_reference=False)
 
 
+@pytest.mark.parametrize("max_num_seqs", [12, 64])
+def test_decode_groups_sorted_by_context_xla(max_num_seqs):
+    """Decodes of very different lengths, in sequence order unlike their length order: the
+    xla path walks them longest first, in whole groups and then small tail groups (12 slots:
+    a group of 12, tail groups of 4; 64 slots: groups of 32, tail groups of 8)."""
+    rng = np.random.default_rng(14)
+    n = 11 if max_num_seqs == 12 else 45
+    seq_lens = [int(x) for x in rng.integers(1, 200, n)]
+    seq_lens[n // 2] = 321  # the longest sits mid-batch
+    batch = build_batch(rng, [1] * n, seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                        dtype=jnp.float32, num_tokens=64, max_num_seqs=max_num_seqs, max_blocks_per_seq=21,
+                        num_blocks=n * 21 + 4)
+    check_batch(batch, jnp.float32, impls=("xla",), with_reference=False)
+
+
 def test_long_context_pallas():
     rng = np.random.default_rng(8)
     batch = build_batch(rng, [1, 20, 1], [1030, 1044, 7], num_q_heads=4, num_kv_heads=1, head_dim=64,
