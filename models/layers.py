@@ -107,7 +107,11 @@ class Attention(nnx.Module):
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def _out(self, attn):
-        return jnp.einsum("...NH,NHD->...D", attn, self.o_proj[...].astype(self.config.dtype))
+        # One [T, N*H] x [N*H, D] matmul. As a contraction over two axes, XLA on CPU laid the
+        # attention output out head-minor and so transposed the weight on every step
+        # (~0.35 ms a layer, 8% of a 32-sequence decode step in bench_throughput's model).
+        n, h, d = self.o_proj.shape
+        return attn.reshape(*attn.shape[:-2], n * h) @ self.o_proj[...].astype(self.config.dtype).reshape(n * h, d)
 
     def __call__(self, x, positions, kv_cache, attn_metadata, *, impl: str, interpret: bool):
         """Paged attention over a ragged batch.
