@@ -65,6 +65,17 @@ def test_greedy_is_argmax_and_logprob_is_log_softmax(logits):
     np.testing.assert_allclose(logprobs, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_greedy_ties_take_the_first_index():
+    """Greedy is argmax's tie rule (lowest id), also when the tie is the whole row."""
+    logits = np.zeros((4, 50), np.float32)
+    logits[0, [7, 3, 40]] = 2.0
+    logits[1, [49, 48]] = 1.0
+    logits[3, :] = -1.0
+    tokens, logprobs = _run(logits, 0.0, -1, 1.0, _keys(1, 4))
+    np.testing.assert_array_equal(tokens, [3, 48, 0, 0])
+    np.testing.assert_allclose(logprobs, _np_log_softmax(logits)[np.arange(4), tokens], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("top_k,top_p", [(1, 1.0), (-1, 1e-6), (0, 1e-6), (1, 0.3)])
 def test_filters_that_keep_one_token_are_greedy(logits, top_k, top_p):
     tokens, _ = _run(logits, 1.5, top_k, top_p, _keys(7, 16))
