@@ -5,11 +5,11 @@ block gathers its sequence's pages once for all its rows and all query heads of 
 Decoding sequences (one token) form blocks of one row; prefill chunks form blocks of
 PREFILL_QUERY_BLOCK rows. Both paths always run, but every loop trip count is dynamic:
 an outer loop walks groups of real blocks only (padding blocks of the bucket cost nothing;
-what is left after the whole groups goes in small groups: decode rows DECODE_TAIL_GROUP at a
-time, prefill blocks one at a time) and an inner loop walks the context in chunks of
-CONTEXT_CHUNK_TOKENS keys with an online softmax, up to the longest context of the group
-rather than the block-table width. Decode rows are sorted longest context first, so that a
-group's members need about as many chunks as its longest one. Memory
+the last, partial group of prefill blocks is walked one block at a time) and an inner loop
+walks the context in chunks of CONTEXT_CHUNK_TOKENS keys with an online softmax, up to the
+longest context of the group rather than the block-table width. Decode rows are sorted
+longest context first, so that a group's members need about as many chunks as its longest
+one. Memory
 is bounded by one group's chunk, group_blocks x chunk x num_kv_heads x head_dim.
 
 Einsum legend: B = query block, Q = query row in the block, K = KV head, G = query head
@@ -19,7 +19,6 @@ within the KV group, D = head_dim, C = key position within the context chunk.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -30,8 +29,7 @@ from pallas_kernels.ragged_batch import cdiv, query_blocks, ragged_batch
 
 # Finite, so a row with every key masked (a padding row) gives a finite output, not NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-DECODE_GROUP = 32  # decoding sequences per outer step
-DECODE_TAIL_GROUP = 8  # decoding sequences per outer step once fewer than DECODE_GROUP are left
+DECODE_GROUP = 8  # decoding sequences per outer step
 PREFILL_QUERY_BLOCK = 32  # query tokens per prefill block
 PREFILL_GROUP = 8  # prefill blocks per outer step
 CONTEXT_CHUNK_TOKENS = 128  # small chunks stay in cache and let causal blocks stop early (bench_attention.py)
@@ -128,15 +126,17 @@ def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_sca
 
     # Real blocks are packed first: walk only the groups that hold some.
     num_real_blocks = jnp.sum(cdiv(q_lens, block_q))
-    # Walk whole groups, then the rest in small groups, so a small batch (the tail of a run, a
-    # prefix-cache hit's 50-token question) computes few padding blocks. Decode rows go 8 at a
-    # time (8 decodes: 2.7 -> 1.1 ms against one part-filled group of 32, and the 64-row
-    # batches no slower; scripts/ab_xla_attention.py), prefill blocks of 32 rows one at a
-    # time. The small size divides group_blocks, so no slice of the block list clamps back.
-    small = math.gcd(DECODE_TAIL_GROUP, group_blocks) if block_q == 1 else 1
+    if block_q == 1:
+        # Small groups of sorted decodes: a run's tail (a few long decodes) pays for no padding
+        # rows, and with caches the size of a real pool (8 layers, DRAM-resident) one loop of
+        # 8 is as fast as groups of 32 for 64 decodes. A second loop for the tail would cost
+        # ~10 MB of code per compiled shape (scripts/ab_xla_attention.py for the A/B).
+        return run_groups(out, 0, cdiv(num_real_blocks, group_blocks), group_blocks)
+    # Prefill blocks are 32 rows each: walk whole groups, then the rest one block at a time,
+    # so a short chunk (a prefix-cache hit's 50-token question) computes no padding blocks.
     num_full_groups = num_real_blocks // group_blocks
     out = run_groups(out, 0, num_full_groups, group_blocks)
-    return run_groups(out, num_full_groups * group_blocks, cdiv(num_real_blocks % group_blocks, small), small)
+    return run_groups(out, num_full_groups * group_blocks, num_real_blocks % group_blocks, 1)
 
 
 def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, sm_scale):

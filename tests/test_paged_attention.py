@@ -168,8 +168,8 @@ def test_many_sequences_xla():
 @pytest.mark.parametrize("max_num_seqs", [12, 64])
 def test_decode_groups_sorted_by_context_xla(max_num_seqs):
     """Decodes of very different lengths, in sequence order unlike their length order: the
-    xla path walks them longest first, in whole groups and then small tail groups (12 slots:
-    a group of 12, tail groups of 4; 64 slots: groups of 32, tail groups of 8)."""
+    xla path walks them longest first in groups of 8 (11 decodes: a full and a part-filled
+    group, the longest one mid-batch; 45 decodes: six groups)."""
     rng = np.random.default_rng(14)
     n = 11 if max_num_seqs == 12 else 45
     seq_lens = [int(x) for x in rng.integers(1, 200, n)]
