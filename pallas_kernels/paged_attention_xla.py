@@ -127,10 +127,11 @@ def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_sca
     # Real blocks are packed first: walk only the groups that hold some.
     num_real_blocks = jnp.sum(cdiv(q_lens, block_q))
     if block_q == 1:
-        # Small groups of sorted decodes: a run's tail (a few long decodes) pays for no padding
-        # rows, and with caches the size of a real pool (8 layers, DRAM-resident) one loop of
-        # 8 is as fast as groups of 32 for 64 decodes. A second loop for the tail would cost
-        # ~10 MB of code per compiled shape (scripts/ab_xla_attention.py for the A/B).
+        # Sorted groups of 8 walk about as far as each member needs; groups of 32 walked every
+        # row to the longest context of its half of a 64-slot step (ab_xla_attention.py against
+        # 4ca3292: 0.77x at 64 decodes of 64-600 keys, 0.76x at 24 of 500-1000, 0.95x at 64 of
+        # 500). A second loop of bigger groups was no faster with DRAM-sized caches and cost
+        # ~10 MB of code per compiled shape.
         return run_groups(out, 0, cdiv(num_real_blocks, group_blocks), group_blocks)
     # Prefill blocks are 32 rows each: walk whole groups, then the rest one block at a time,
     # so a short chunk (a prefix-cache hit's 50-token question) computes no padding blocks.

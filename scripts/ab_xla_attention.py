@@ -2,11 +2,12 @@
 the same file at another commit, both jitted in one process on the same data.
 
 Shapes are the throughput benchmark model's (8 query / 2 KV heads, head_dim 64, block 16,
-2176 blocks, 64 sequence slots). Each call attends once per layer over 8 layers' caches
-(285 MiB, like the model's pool: the caches do not fit in the CPU's caches, so timings are
-of memory, not of L3), and each sequence's pages are a run of consecutive block ids, as the
-free queue hands them out. Each case prints the median of 15 calls per version, alternating
-the versions. Figures are per call (8 layers).
+2176 blocks); a case of n sequences gets the engine's sequence bucket (8, 16, 32 or 64
+slots). Each call attends once per layer over 8 layers' caches (285 MiB, like the model's
+pool: the caches do not fit in the CPU's caches, so timings are of memory, not of L3), and
+each sequence's pages are a run of consecutive block ids, as the free queue hands them out.
+Each case prints the median of 15 calls per version, alternating the versions. Figures are
+per call (8 layers).
 
     python scripts/ab_xla_attention.py 18c587d
 """
@@ -49,7 +50,7 @@ def main() -> int:
     args = parser.parse_args()
     other = load_at(args.rev)
     rng = np.random.default_rng(0)
-    block_size, num_q_heads, num_kv_heads, head_dim, max_seqs, width, num_blocks = 16, 8, 2, 64, 64, 128, 2176
+    block_size, num_q_heads, num_kv_heads, head_dim, width, num_blocks = 16, 8, 2, 64, 128, 2176
     num_layers = 8
     cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_caches = [jnp.asarray(rng.standard_normal(cache_shape), jnp.float32) for _ in range(num_layers)]
@@ -57,6 +58,7 @@ def main() -> int:
 
     def case(q_lens, seq_lens, num_tokens):
         n = len(q_lens)
+        max_seqs = max(8, 1 << (n - 1).bit_length())  # the engine's sequence bucket: 8, 16, 32, 64
         qsl = np.zeros(max_seqs + 1, np.int32)
         qsl[1:n + 1] = np.cumsum(q_lens)
         qsl[n + 1:] = qsl[n]
