@@ -8,6 +8,7 @@ workers stays small, and each worker's peak RSS is its own.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -16,6 +17,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -150,6 +152,19 @@ def make_checkpoint(path: str, seed: int = 0) -> None:
     )
     subprocess.run([sys.executable, "-c", code, path], check=True, stderr=subprocess.DEVNULL)
     shutil.copy(REPO / "paged_jax" / "assets" / "tokenizer.json", Path(path) / "tokenizer.json")
+
+
+
+@contextlib.contextmanager
+def bench_model_dir(model: str | None, seed: int = 0):
+    """Yields `model` (an HF Llama directory) if given, else a temporary directory holding the
+    benchmark model made by make_checkpoint, removed on exit."""
+    if model is not None:
+        yield model
+        return
+    with tempfile.TemporaryDirectory(prefix="paged_jax_bench_") as tmp:
+        make_checkpoint(tmp, seed=seed)
+        yield tmp
 
 
 def count_params(config: dict) -> dict:

@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-from _bench_common import command_line, machine_info, make_checkpoint, print_table, useful_flops, write_json
+from _bench_common import bench_model_dir, command_line, machine_info, print_table, useful_flops, write_json
 
 PREFILL_LEN = (64, 512)
 DECODE_PROMPT_LEN = 256
@@ -157,24 +156,18 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="default: results/bench_compute[_quick].json")
     args = parser.parse_args(argv)
     args.out = args.out or f"results/bench_compute{'_quick' if args.quick else ''}.json"
-    tmp = None
-    if args.model is None:
-        tmp = tempfile.TemporaryDirectory(prefix="paged_jax_bench_")
-        args.model = tmp.name
-        make_checkpoint(args.model)
     from paged_jax.engine import EngineConfig, LLMEngine
 
-    t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=args.model, dtype="float32", max_model_len=1024, max_num_seqs=64,
-                                    max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=64 * 20 + 1))
-    warm_up_s = time.perf_counter() - t0
-    result = measure_compute(engine, quick=args.quick)
+    with bench_model_dir(args.model) as model_dir:
+        t0 = time.perf_counter()
+        engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_model_len=1024, max_num_seqs=64,
+                                        max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=64 * 20 + 1))
+        warm_up_s = time.perf_counter() - t0
+        result = measure_compute(engine, quick=args.quick)
     result.update(engine_load_and_warm_up_s=warm_up_s, max_num_batched_tokens=args.max_num_batched_tokens,
                   machine=machine_info(), command=command_line())
     print_table("compute efficiency (float32, CPU, attention_impl=xla)", COMPUTE_COLUMNS, compute_rows(result))
     write_json(args.out, result)
-    if tmp is not None:
-        tmp.cleanup()
     return 0
 
 

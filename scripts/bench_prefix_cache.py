@@ -24,36 +24,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
 
-from _bench_common import BENCH_MODEL, command_line, machine_info, make_checkpoint, print_table, write_json
+from _bench_common import BENCH_MODEL, bench_model_dir, command_line, machine_info, print_table, write_json
 
 SYSTEM_LEN = 2000
 QUESTION_LEN = 50
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 repetitions instead of 5")
-    parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--model", default=None, help="HF Llama directory (default: make the benchmark model)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--max-num-seqs", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=None, help="default: results/bench_prefix_cache[_quick].json")
-    args = parser.parse_args(argv)
-    args.out = args.out or f"results/bench_prefix_cache{'_quick' if args.quick else ''}.json"
-    reps = args.reps or (2 if args.quick else 5)
-
-    tmp = None
-    if args.model is None:
-        tmp = tempfile.TemporaryDirectory(prefix="paged_jax_bench_")
-        args.model = tmp.name
-        make_checkpoint(args.model, seed=args.seed)
-
+def measure(args, model_dir: str, reps: int) -> int:
+    """TTFT cold, warm and with caching off; prints the table and writes the JSON."""
     from paged_jax.engine import EngineConfig, LLMEngine
     from paged_jax.request import SamplingParams
 
@@ -61,7 +43,7 @@ def main(argv=None) -> int:
     for name, caching in (("on", True), ("off", False)):
         t0 = time.perf_counter()
         engines[name] = LLMEngine(EngineConfig(
-            model=args.model, dtype="float32", max_model_len=4096, num_blocks=600, block_size=16,
+            model=model_dir, dtype="float32", max_model_len=4096, num_blocks=600, block_size=16,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=caching, seed=args.seed))
         warm_up_s[name] = time.perf_counter() - t0  # load + compile every bucket
@@ -118,9 +100,24 @@ def main(argv=None) -> int:
                 f"compile excluded (load + warm-up {warm_up_s['on']:.0f} s / {warm_up_s['off']:.0f} s)",
                 ["case", "TTFT", "hit tokens", "steps", "vs cold", "target"], rows)
     write_json(args.out, result)
-    if tmp is not None:
-        tmp.cleanup()
     return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="2 repetitions instead of 5")
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--model", default=None, help="HF Llama directory (default: make the benchmark model)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="default: results/bench_prefix_cache[_quick].json")
+    args = parser.parse_args(argv)
+    args.out = args.out or f"results/bench_prefix_cache{'_quick' if args.quick else ''}.json"
+    reps = args.reps or (2 if args.quick else 5)
+
+    with bench_model_dir(args.model, seed=args.seed) as model_dir:
+        return measure(args, model_dir, reps)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 import jax
 import numpy as np
 
-from _bench_common import make_checkpoint
+from _bench_common import bench_model_dir
 
 import pallas_kernels.paged_attention as paged_attention
 from models.loader import load_hf_checkpoint
@@ -75,13 +75,13 @@ def median_ms(runner: ModelRunner, inputs: StepInputs, repeats: int = 15) -> flo
 
 def top_thunks(runner: ModelRunner, inputs: StepInputs, steps: int = 5) -> list[tuple[str, float, int]]:
     """(thunk name, ms per step, calls per step) of the compiled step's thunks, busiest first."""
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        for _ in range(steps):
-            runner.execute(inputs)
-    (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
-    with gzip.open(path) as fh:
-        events = json.load(fh)["traceEvents"]
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(steps):
+                runner.execute(inputs)
+        (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as fh:
+            events = json.load(fh)["traceEvents"]
     total, calls = collections.Counter(), collections.Counter()
     for event in events:
         name = event.get("name", "")
@@ -99,9 +99,8 @@ def main() -> int:
     parser.add_argument("--context", type=int, nargs=2, default=(500, 1000), metavar=("LO", "HI"))
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
-    model_dir = tempfile.mkdtemp()
-    make_checkpoint(model_dir)
-    model = load_hf_checkpoint(model_dir, dtype="float32")
+    with bench_model_dir(None) as model_dir:
+        model = load_hf_checkpoint(model_dir, dtype="float32")
     geometry = dict(num_blocks=2176, block_size=16, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024)
     runner = ModelRunner(model, **geometry)
     inputs = decode_inputs(runner, args.seqs, tuple(args.context), np.random.default_rng(0))
