@@ -22,8 +22,6 @@ import numpy as np
 from flax import nnx
 
 from models.config import Llama3RopeScaling, LlamaConfig
-from pallas_kernels.kv_cache_write import write_kv_cache
-from pallas_kernels.paged_attention import ragged_paged_attention
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -113,28 +111,22 @@ class Attention(nnx.Module):
         n, h, d = self.o_proj.shape
         return attn.reshape(*attn.shape[:-2], n * h) @ self.o_proj[...].astype(self.config.dtype).reshape(n * h, d)
 
-    def __call__(self, x, positions, kv_cache, attn_metadata, *, impl: str, interpret: bool):
+    def __call__(self, x, positions, kv_cache, attn_metadata, attention):
         """Paged attention over a ragged batch.
 
         Args:
           x: [T, D] hidden states of this step's tokens (all sequences concatenated).
           positions: i32[T].
-          kv_cache: (k_cache, v_cache), each [num_blocks, block_size, K, H].
-          attn_metadata: slot_mapping i32[T], block_tables i32[S, W], seq_lens i32[S],
-            query_start_loc i32[S + 1], num_seqs i32[1] (a StepInputs).
+          kv_cache: this layer's cache, laid out as its spec says (FullAttentionSpec:
+            (k_cache, v_cache), each [num_blocks, block_size, K, H]).
+          attn_metadata: a paged_jax.core.step_inputs.AttentionMetadata.
+          attention: the runner's backend (paged_jax.attention): writes k/v, then attends.
         Returns:
-          ([T, D], (k_cache, v_cache)) with this step's keys and values written into the caches.
+          ([T, D], kv_cache) with this step's keys and values written into the cache.
         """
         q, k, v = self._qkv(x, positions)  # [T, N, H], [T, K, H], [T, K, H]
-        k_cache, v_cache = kv_cache
-        k_cache, v_cache = write_kv_cache(k.astype(k_cache.dtype), v.astype(v_cache.dtype),
-                                          k_cache, v_cache, attn_metadata.slot_mapping)
-        # The kernels take one dtype: a bf16 cache under an f32 model reads bf16 queries.
-        attn = ragged_paged_attention(
-            q.astype(k_cache.dtype), k_cache, v_cache, attn_metadata.block_tables, attn_metadata.seq_lens,
-            attn_metadata.query_start_loc, attn_metadata.num_seqs,
-            sm_scale=self.config.head_dim ** -0.5, impl=impl, interpret=interpret)
-        return self._out(attn.astype(self.config.dtype)), (k_cache, v_cache)
+        attn, kv_cache = attention(q, k, v, kv_cache, attn_metadata, sm_scale=self.config.head_dim ** -0.5)
+        return self._out(attn.astype(self.config.dtype)), kv_cache
 
     def dense(self, x, positions):
         """Full causal attention without a cache: x [B, T, D], positions i32[B, T] -> [B, T, D]."""
@@ -179,9 +171,8 @@ class DecoderLayer(nnx.Module):
                                                 param_dtype=c.param_dtype, dtype=c.dtype)
         self.mlp = MLP(c, rngs=rngs)
 
-    def __call__(self, x, positions, kv_cache, attn_metadata, *, impl: str, interpret: bool):
-        attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn_metadata,
-                                        impl=impl, interpret=interpret)
+    def __call__(self, x, positions, kv_cache, attn_metadata, attention):
+        attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn_metadata, attention)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 

@@ -1,11 +1,15 @@
-"""Llama/GQA decoder on the paged KV cache (Flax NNX), plus the KV-cache allocation helpers.
+"""Llama/GQA decoder on the paged KV cache (Flax NNX).
 
 Two forwards share one set of weights:
-- `model(token_ids, positions, kv_caches, attn_metadata)`: the engine's step over a ragged,
+- `model(inputs, kv_caches, attn_metadata, attention)`: the engine's step over a ragged,
   padded batch (prefill chunks and decodes mixed). The caches are passed in and returned so
-  the jitted step can donate them and XLA updates them in place; the model holds no state.
+  the jitted step can donate them and XLA updates them in place; the model holds no state
+  and never names an attention implementation (the runner's backend is an argument).
 - `model.dense_forward(token_ids)`: full causal attention over [B, S] with no cache, the
-  reference the paged path is tested against and the engine's dense generate loop.
+  reference the paged path is tested against.
+
+What the cache holds is declared by `kv_cache_specs` (models/kv_cache_spec.py documents the
+layout).
 
 The layer loop is unrolled in Python with one (k_cache, v_cache) pair per layer, not a
 lax.scan over stacked caches: a donated buffer read inside a loop can get a full-size
@@ -18,16 +22,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from models.config import PRESETS, Llama3RopeScaling, LlamaConfig
+from models.kv_cache_spec import FullAttentionSpec
 from models.layers import DecoderLayer, RMSNorm
 
-__all__ = ["PRESETS", "Llama3RopeScaling", "LlamaConfig", "LlamaForCausalLM", "init_kv_caches",
-           "kv_cache_bytes_per_block"]
-
-KVCaches = list  # list[tuple[k_cache, v_cache]], one pair per layer, each [num_blocks, block_size, K, H]
+__all__ = ["PRESETS", "Llama3RopeScaling", "LlamaConfig", "LlamaForCausalLM"]
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -54,32 +55,34 @@ class LlamaForCausalLM(nnx.Module):
         return jnp.einsum("...D,VD->...V", x, head[...].astype(self.config.dtype),
                           preferred_element_type=jnp.float32).astype(jnp.float32)
 
-    def __call__(self, token_ids, positions, kv_caches: KVCaches, attn_metadata, *,
-                 impl: str = "xla", interpret: bool = False):
+    def kv_cache_specs(self, dtype=None) -> tuple[FullAttentionSpec, ...]:
+        """One spec per layer: K and V per KV head (dtype defaults to the compute dtype)."""
+        c = self.config
+        spec = FullAttentionSpec(c.num_kv_heads, c.head_dim, str(jnp.dtype(dtype or c.dtype)))
+        return (spec,) * c.num_layers
+
+    def __call__(self, inputs, kv_caches, attn_metadata, attention):
         """One engine step.
 
         Args:
-          token_ids: i32[T], all scheduled tokens concatenated (padding included).
-          positions: i32[T].
-          kv_caches: list of num_layers (k_cache, v_cache), each [num_blocks, block_size, K, H].
-          attn_metadata: any object with slot_mapping i32[T], block_tables i32[S, W],
-            seq_lens i32[S], query_start_loc i32[S + 1], num_seqs i32[1], logits_indices i32[S]
-            (paged_jax.batch.StepInputs).
-          impl: "xla" (gather-based; the CPU path) or "pallas" (the GPU kernel). Static.
-          interpret: run the Pallas kernel in interpret mode (CPU tests). Static.
+          inputs: a paged_jax.core.step_inputs.ModelInputs: token_ids i32[T] (all scheduled
+            tokens concatenated, padding included), positions i32[T], logits_indices i32[S].
+          kv_caches: one cache per layer, as kv_cache_specs() lays it out.
+          attn_metadata: a paged_jax.core.step_inputs.AttentionMetadata (read by `attention` only).
+          attention: the runner's attention backend for these specs (static under jit).
         Returns:
           (f32[S, V] logits of the rows logits_indices selects, the updated kv_caches).
         """
         if len(kv_caches) != self.config.num_layers:
-            raise ValueError(f"got {len(kv_caches)} kv cache pairs for {self.config.num_layers} layers; "
-                             "build them with init_kv_caches(config, ...)")
-        x = self._embed(token_ids)  # [T, D]
+            raise ValueError(f"got {len(kv_caches)} layer caches for {self.config.num_layers} layers; "
+                             "build them with models.kv_cache_spec.init_kv_caches(model.kv_cache_specs(), ...)")
+        x = self._embed(inputs.token_ids)  # [T, D]
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer(x, positions, kv_cache, attn_metadata, impl=impl, interpret=interpret)
+            x, kv_cache = layer(x, inputs.positions, kv_cache, attn_metadata, attention)
             new_caches.append(kv_cache)
         # Only the sampled rows reach lm_head: [S, D] @ [D, V] instead of [T, D] @ [D, V].
-        x = jnp.take(x, attn_metadata.logits_indices, axis=0)  # [S, D]
+        x = jnp.take(x, inputs.logits_indices, axis=0)  # [S, D]
         return self._logits(x), new_caches
 
     def dense_forward(self, token_ids):
@@ -90,24 +93,3 @@ class LlamaForCausalLM(nnx.Module):
         for layer in self.layers:
             x = layer.dense(x, positions)
         return self._logits(x)
-
-
-def kv_cache_bytes_per_block(config: LlamaConfig, block_size: int, dtype=None) -> int:
-    """Bytes one block costs across all layers (K and V): the unit the engine sizes its pool in."""
-    itemsize = np.dtype(jnp.dtype(dtype or config.dtype)).itemsize
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * itemsize
-
-
-def init_kv_caches(config: LlamaConfig, num_blocks: int, block_size: int, dtype=None) -> KVCaches:
-    """Zeroed caches: num_layers pairs of [num_blocks, block_size, K, H] arrays (dtype defaults to config.dtype).
-
-    Separate buffers per layer (not one stacked array) so each can be donated and updated in
-    place by the unrolled layer loop.
-    """
-    if num_blocks < 2:
-        raise ValueError(f"{num_blocks=} must be >= 2 (block 0 is the null block padding points into)")
-    if block_size <= 0:
-        raise ValueError(f"{block_size=} must be positive")
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    dt = jnp.dtype(dtype or config.dtype)
-    return [(jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(config.num_layers)]

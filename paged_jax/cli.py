@@ -84,7 +84,7 @@ def _summary(outputs, stats: dict, elapsed: float) -> dict:
 
 
 def _sampling_params(args):
-    from paged_jax.request import SamplingParams  # host-only: no jax yet
+    from paged_jax.core.request import SamplingParams  # host-only: no jax yet
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)

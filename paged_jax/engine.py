@@ -19,19 +19,19 @@ import time
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
+import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from models.config import LlamaConfig
-from models.llama import LlamaForCausalLM
-from models.loader import load_hf_checkpoint
-from paged_jax.batch import StepInputsBuilder
-from paged_jax.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from paged_jax.request import Request, SamplingParams
-from paged_jax.runner import ModelRunner, default_attention_impl, num_blocks_for_budget
-from paged_jax.scheduler import Scheduler
-from paged_jax.tokenizer import EMBEDDED_MODELS, Tokenizer
+from models.registry import load_model
+from paged_jax.attention import ATTENTION_IMPLS
+from paged_jax.core.batch import StepInputsBuilder
+from paged_jax.core.config import CacheConfig, SchedulerConfig, check_int, check_power_of_two
+from paged_jax.core.hashing import get_hash_fn_by_name
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request, SamplingParams
+from paged_jax.core.scheduler import Scheduler
+from paged_jax.core.tokenizer import Tokenizer
+from paged_jax.runner import ModelRunner, num_blocks_for_budget
 
 # A default table width that stays cheap for long-context checkpoints (Llama 3 says 131072).
 DEFAULT_MAX_MODEL_LEN_CAP = 4096
@@ -39,7 +39,11 @@ DEFAULT_MAX_MODEL_LEN_CAP = 4096
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything LLMEngine needs; validated in __post_init__ (ValueError names the fix)."""
+    """What the user asks for; validated in __post_init__ (ValueError names the fix).
+
+    Sizes left open (num_blocks, max_model_len, dtype) are resolved once, against the loaded
+    model and the device, into a CacheConfig and a SchedulerConfig (LLMEngine.__init__).
+    """
 
     model: str = "tiny"  # an embedded name ("tiny") or a HF Llama directory
     block_size: int = 16
@@ -51,6 +55,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     hash_algo: str = "sha256"
+    hash_seed: int | str | None = None  # root of the prefix-cache hash chains (None: random per engine)
     dtype: str | None = None  # compute and KV dtype; None: the checkpoint's (tiny: float32)
     attention_impl: str | None = None  # None: "pallas" on GPU, "xla" elsewhere
     interpret: bool = False  # Pallas in interpret mode (CPU tests of the kernel path)
@@ -59,27 +64,46 @@ class EngineConfig:
     warm_up: bool = True
 
     def __post_init__(self):
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size={self.block_size} must be a power of two (16 is vLLM's default)")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1 (or None for the model's)")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks={self.num_blocks} must be >= 2: block 0 is the null block")
+        # The same checks CacheConfig / SchedulerConfig make, here so a bad argument fails
+        # before a model is loaded.
+        check_power_of_two("block_size", self.block_size)
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, "0 turns it off")
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, 1, "or None for the model's")
+        if self.num_blocks is not None:
+            check_int("num_blocks", self.num_blocks, 2, "block 0 is the null block")
+        get_hash_fn_by_name(self.hash_algo)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.attention_impl not in (None, "xla", "pallas"):
+        if self.attention_impl not in (None, *ATTENTION_IMPLS):
             raise ValueError(f"attention_impl={self.attention_impl!r} must be None, 'xla' or 'pallas'")
         if self.dtype is not None:
             try:
-                floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
+                floating = np.issubdtype(np.dtype(self.dtype), np.floating)
             except TypeError:
                 floating = False
             if not floating:
                 raise ValueError(f"dtype={self.dtype!r} must be a float dtype such as 'float32' or 'bfloat16' "
                                  "(or None for the checkpoint's)")
+
+    def resolve(self, model) -> tuple[CacheConfig, SchedulerConfig]:
+        """The sizes this config means for a loaded model on this device."""
+        mc = model.config
+        max_model_len = self.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{mc.max_position_embeddings}; lower it")
+        num_blocks = num_blocks_for_budget(
+            model.kv_cache_specs(self.dtype), self.block_size, num_blocks=self.num_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_seqs=self.max_num_seqs, max_model_len=max_model_len)
+        cache = CacheConfig(self.block_size, num_blocks, max_model_len, self.enable_prefix_caching,
+                            self.hash_algo, self.hash_seed)
+        scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
+                                    self.long_prefill_token_threshold)
+        return cache, scheduler
 
 
 @dataclass
@@ -130,50 +154,26 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-def load_model(model: str, dtype: str | None, seed: int) -> LlamaForCausalLM:
-    """An embedded preset with random weights (seeded) or a HF Llama checkpoint directory."""
-    if model in EMBEDDED_MODELS:
-        config = LlamaConfig.from_preset(model)
-        if dtype is not None:
-            config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
-        return LlamaForCausalLM(config, rngs=nnx.Rngs(seed))
-    return load_hf_checkpoint(model, dtype=dtype)
-
-
 class LLMEngine:
     """Continuous batching over a paged KV cache: add_request, step, abort_request."""
 
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM | None = None, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: EngineConfig, model=None, tokenizer: Tokenizer | None = None):
         self.config = c = config
-        self.model = model if model is not None else load_model(c.model, c.dtype, c.seed)
+        self.model = model if model is not None else load_model(c.model, dtype=c.dtype, seed=c.seed)
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_model(c.model)
         mc = self.model.config
-        self.max_model_len = c.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                             f"{mc.max_position_embeddings}; lower it")
-        num_blocks = num_blocks_for_budget(
-            mc, c.block_size, c.dtype, num_blocks=c.num_blocks, kv_cache_memory_bytes=c.kv_cache_memory_bytes,
-            gpu_memory_utilization=c.gpu_memory_utilization, max_num_seqs=c.max_num_seqs,
-            max_model_len=self.max_model_len)
-        self.kv_cache_manager = KVCacheManager(num_blocks, c.block_size, self.max_model_len,
-                                               enable_caching=c.enable_prefix_caching, hash_algo=c.hash_algo)
-        self.scheduler = Scheduler(self.kv_cache_manager, c.max_num_seqs, c.max_num_batched_tokens,
-                                   self.max_model_len, c.block_size, c.long_prefill_token_threshold)
-        self.runner = ModelRunner(self.model, num_blocks=num_blocks, block_size=c.block_size,
-                                  max_model_len=self.max_model_len, max_num_seqs=c.max_num_seqs,
-                                  max_num_batched_tokens=c.max_num_batched_tokens,
-                                  attention_impl=c.attention_impl or default_attention_impl(),
-                                  interpret=c.interpret, kv_cache_dtype=c.dtype)
-        self.input_builder = StepInputsBuilder(block_size=c.block_size, max_blocks_per_seq=self.runner.max_blocks_per_seq,
-                                               token_buckets=self.runner.token_buckets,
-                                               seq_buckets=self.runner.seq_buckets, seed=c.seed)
+        self.cache_config, self.scheduler_config = c.resolve(self.model)
+        self.max_model_len = self.cache_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(self.cache_config)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.runner = ModelRunner(self.model, self.cache_config, self.scheduler_config,
+                                  attention_impl=c.attention_impl, interpret=c.interpret, kv_cache_dtype=c.dtype)
+        self.input_builder = StepInputsBuilder(self.cache_config, self.scheduler_config, seed=c.seed)
         # Generation stops on any of the model's EOS ids (Llama 3 instruct lists several).
         eos_ids = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
         self._eos_token_id = eos_ids[0] if eos_ids else None
         self._extra_eos_ids = tuple(eos_ids[1:])
         self._live: dict[str, tuple[Request, RequestOutput]] = {}
-        self._prefix_totals = PrefixCacheStats()
         self.num_generated_tokens = 0
         if c.warm_up:
             self.runner.warm_up()
@@ -260,10 +260,10 @@ class LLMEngine:
         return results
 
     def get_stats(self) -> dict:
-        """KV usage (now and peak), prefix-cache hit rate, preemptions, compilations, steps."""
-        interval, prefix = self.kv_cache_manager.make_prefix_cache_stats(), self._prefix_totals
-        for name in ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits"):
-            setattr(prefix, name, getattr(prefix, name) + getattr(interval, name))
+        """KV usage (now and peak), prefix-cache hit rate, preemptions, compilations, steps.
+
+        A read: calling it changes nothing (the counters are cumulative)."""
+        prefix = self.kv_cache_manager.prefix_cache_stats
         return {
             **self.scheduler.get_stats(),
             "prefix_cache_queries": prefix.queries,
@@ -271,7 +271,7 @@ class LLMEngine:
             "prefix_cache_hit_rate": prefix.hit_rate,
             "num_compilations": self.runner.num_compilations,
             "num_generated_tokens": self.num_generated_tokens,
-            "num_blocks": self.runner.num_blocks,
+            "num_blocks": self.cache_config.num_blocks,
             "kv_cache_bytes": self.runner.kv_cache_bytes,
             "attention_impl": self.runner.attention_impl,
             "backend": jax.default_backend(),

@@ -50,19 +50,19 @@ def _sample_random(logits, temperature, top_k, top_p, rng_keys):
     return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
 
 
-def sample(logits, temperature, top_k, top_p, rng_keys):
+def sample(logits, sampling_metadata):
     """Draws one token per row.
 
     Args:
       logits: f32[S, V] (any float dtype; computed in f32).
-      temperature: f32[S]; < 1e-5 means greedy (argmax).
-      top_k: i32[S]; -1 or 0 disables.
-      top_p: f32[S] in (0, 1]; 1.0 disables.
-      rng_keys: u32[S, 2] threefry key data per row.
+      sampling_metadata: a paged_jax.core.step_inputs.SamplingMetadata, per row:
+        temperature f32[S] (< 1e-5 means greedy), top_k i32[S] (-1 or 0 disables),
+        top_p f32[S] in (0, 1] (1.0 disables), rng_keys u32[S, 2] threefry key data.
     Returns:
       (token_ids i32[S], logprobs f32[S]): the sampled tokens and their log-probabilities
       under the unprocessed distribution log_softmax(logits) (vLLM's default "raw" logprobs).
     """
+    temperature, top_k, top_p, rng_keys = sampling_metadata
     logits = logits.astype(jnp.float32)
     temperature = temperature.astype(jnp.float32)
     is_greedy = temperature < SAMPLING_EPS

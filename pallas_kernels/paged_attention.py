@@ -26,8 +26,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention_xla import ragged_paged_attention_xla
-from pallas_kernels.ragged_batch import cdiv, query_blocks, ragged_batch, token_block_rows, token_sequence
+from pallas_kernels.ragged_batch import (cdiv, check_ragged_args, max_prefill_blocks, query_blocks, ragged_batch,
+                                         split_decodes_and_prefills, token_block_rows, token_sequence)
 
 # Finite, so rows that see no key (padding, empty splits) stay finite instead of NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -210,7 +210,8 @@ def _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, 
 
     # decode: one item per decoding sequence, all rows of a KV group in one tl.dot tile
     decode_rows = max(MIN_DOT_DIM, _next_power_of_2(group))
-    decode = query_blocks(batch, jnp.where(batch.q_lens == 1, 1, 0), max_num_seqs, 1)
+    split = split_decodes_and_prefills(batch)
+    decode = query_blocks(batch, split.decode_q_lens, max_num_seqs, 1)
     num_splits = config.decode_num_splits or _next_power_of_2(
         cdiv(config.decode_target_programs, max_num_seqs * num_kv_heads))
     max_splits = cdiv(max_blocks_per_seq * k_cache.shape[1], config.decode_block_k)
@@ -223,75 +224,33 @@ def _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, 
     # prefill chunks: blocks of block_q tokens of one sequence, group rows each
     block_q = max(1, config.prefill_rows // group)
     prefill_rows = max(MIN_DOT_DIM, _next_power_of_2(block_q * group))
-    # Each prefilling sequence (>= 2 tokens) wastes at most one partial block.
-    num_items = cdiv(num_tokens, block_q) + min(max_num_seqs, num_tokens // 2)
-    prefill = query_blocks(batch, jnp.where(batch.q_lens >= 2, batch.q_lens, 0), num_items, block_q)
+    prefill = query_blocks(batch, split.prefill_q_lens, max_prefill_blocks(num_tokens, max_num_seqs, block_q),
+                           block_q)
     q_items, tables = _items_from_blocks(q, prefill, block_tables, num_kv_heads, prefill_rows)
     out_prefill = call(q_items, item_tables=tables, q_pos0=prefill.q_pos0, num_rows=prefill.num_rows,
                        num_splits=1, block_k=config.prefill_block_k, num_warps=config.prefill_num_warps,
                        num_stages=config.prefill_num_stages)
 
-    is_decode = (batch.q_lens[token_seq] == 1)[:, None, None]
+    is_decode = (split.decode_q_lens[token_seq] == 1)[:, None, None]
     out = jnp.where(is_decode, _token_rows(out_decode, batch, decode, token_seq, 1, group),
                     _token_rows(out_prefill, batch, prefill, token_seq, block_q, group))
     return out.astype(q.dtype)
 
 
-IMPLS = ("pallas", "xla")
+def _check_pallas_args(k_cache, head_dim):
+    """What the Triton lowering needs beyond check_ragged_args: power-of-two tile dims."""
+    block_size = k_cache.shape[1]
+    if block_size & (block_size - 1):
+        raise ValueError(f"{block_size=} must be a power of two for the Pallas kernel (Triton block dims); "
+                         "pick 16 or 32, or use the XLA attention")
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        raise ValueError(f"{head_dim=} must be a power of two >= 16 for the Pallas kernel (tl.dot tiles); "
+                         "pad head_dim or use the XLA attention")
 
 
-def _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, impl):
-    """Trace-time checks of user input: a ValueError that names the fix."""
-    if impl not in IMPLS:
-        raise ValueError(f"{impl=} is not one of {IMPLS}; use 'pallas' on NVIDIA GPUs and 'xla' elsewhere")
-    if q.ndim != 3:
-        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got {q.shape=}")
-    if k_cache.ndim != 4:
-        raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {k_cache.shape=}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have k_cache's shape {k_cache.shape}, got {v_cache.shape=}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(
-            f"q, k_cache and v_cache must share one dtype, got {q.dtype=}, {k_cache.dtype=}, {v_cache.dtype=}; "
-            "cast q to the cache dtype"
-        )
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"attention needs a floating dtype, got {q.dtype=}")
-    _, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim:
-        raise ValueError(f"q's head_dim {head_dim} differs from the cache's {cache_head_dim}; they must match")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"{num_q_heads=} must be a multiple of {num_kv_heads=} (MHA, GQA or MQA); change the model's head counts"
-        )
-    for name, arr, ndim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),
-                            ("query_start_loc", query_start_loc, 1)):
-        if arr.dtype != jnp.int32:
-            raise ValueError(f"{name} must be int32, got {arr.dtype}; build it with np.int32 / jnp.int32")
-        if arr.ndim != ndim:
-            raise ValueError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}")
-    max_num_seqs = block_tables.shape[0]
-    if seq_lens.shape != (max_num_seqs,):
-        raise ValueError(f"seq_lens must be i32[{max_num_seqs}] (one per block-table row), got {seq_lens.shape}")
-    if query_start_loc.shape != (max_num_seqs + 1,):
-        raise ValueError(f"query_start_loc must be i32[{max_num_seqs + 1}] (max_num_seqs + 1), got "
-                         f"{query_start_loc.shape}")
-    num_seqs = jnp.asarray(num_seqs)
-    if num_seqs.dtype != jnp.int32 or num_seqs.shape not in ((), (1,)):
-        raise ValueError(f"num_seqs must be an int32 scalar or i32[1], got {num_seqs.dtype}{num_seqs.shape}")
-    if impl == "pallas":
-        if block_size & (block_size - 1):
-            raise ValueError(f"{block_size=} must be a power of two for impl='pallas' (Triton block dims); "
-                             "pick 16 or 32, or use impl='xla'")
-        if head_dim & (head_dim - 1) or head_dim < 16:
-            raise ValueError(f"{head_dim=} must be a power of two >= 16 for impl='pallas' (tl.dot tiles); "
-                             "pad head_dim or use impl='xla'")
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "impl", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "config"))
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                           sm_scale=None, impl="pallas", interpret=False, config=None):
+                           sm_scale=None, interpret=False, config=None):
     """Causal attention of a ragged batch of query tokens over paged K/V.
 
     Args:
@@ -303,36 +262,34 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
       query_start_loc: i32[max_num_seqs + 1].
       num_seqs: i32 scalar or i32[1], the number of real sequences.
       sm_scale: softmax scale, default 1/sqrt(head_dim).
-      impl: "pallas" (the Triton kernel for NVIDIA GPUs) or "xla" (gather-based; the CPU path).
-      interpret: run the Pallas kernel in interpret mode (CPU tests).
-      config: PallasConfig launch parameters for impl="pallas" (None: the tuned defaults).
+      interpret: run the kernel in interpret mode (CPU tests).
+      config: PallasConfig launch parameters (None: the defaults).
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype. Query token j of a sequence with q_len
       tokens sits at position seq_len - q_len + j and attends to positions <= its own.
       Padding rows are finite and otherwise unspecified.
     """
-    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, impl)
+    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
+    _check_pallas_args(k_cache, q.shape[-1])
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     num_seqs = jnp.reshape(num_seqs, ())
-    if impl == "xla":
-        return ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-                                          sm_scale)
     return _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
                                           sm_scale, interpret, config or PallasConfig())
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                                     sm_scale=None, impl=None, interpret=False, config=None):
+                                     sm_scale=None, interpret=False, config=None):
     """Dense per-sequence causal attention over K/V gathered from the pages (float32 softmax).
 
-    Same arguments as `ragged_paged_attention` (impl, interpret and config are ignored).
+    Same arguments as `ragged_paged_attention` (interpret and config are ignored); the
+    reference of both the Pallas kernel and the XLA path (paged_jax/attention/xla.py).
     Sequence i attends with every token row and keeps the rows it owns, so all shapes are
     those of the bucket and eager calls compile once per bucket. Padding rows are zero.
     """
-    del impl, interpret, config
-    _check_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, "xla")
+    del interpret, config
+    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads

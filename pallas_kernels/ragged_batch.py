@@ -26,6 +26,13 @@ class RaggedBatch(NamedTuple):
     token_end: jnp.ndarray  # i32[max_num_seqs]: query_start_loc[1:]; int32 max when padded
 
 
+class BatchSplit(NamedTuple):
+    """Which sequences decode (one query token) and which prefill a chunk (two or more)."""
+
+    decode_q_lens: jnp.ndarray  # i32[max_num_seqs]: 1 for a decoding sequence, else 0
+    prefill_q_lens: jnp.ndarray  # i32[max_num_seqs]: q_len of a prefilling sequence, else 0
+
+
 class QueryBlocks(NamedTuple):
     """Query blocks of one block size; blocks past the real ones have num_rows 0."""
 
@@ -48,6 +55,19 @@ def ragged_batch(seq_lens, query_start_loc, num_seqs):
     token_end = jnp.where(real_seq, query_start_loc[1:], jnp.iinfo(jnp.int32).max)
     return RaggedBatch(q_lens.astype(jnp.int32), jnp.where(real_seq, seq_lens, 0).astype(jnp.int32),
                        query_start_loc[:-1].astype(jnp.int32), token_end.astype(jnp.int32))
+
+
+def split_decodes_and_prefills(batch) -> BatchSplit:
+    """The one place a batch is split: decodes get blocks of one row, prefill chunks blocks
+    of block_q rows (each impl picks block_q)."""
+    return BatchSplit(jnp.where(batch.q_lens == 1, 1, 0).astype(jnp.int32),
+                      jnp.where(batch.q_lens >= 2, batch.q_lens, 0).astype(jnp.int32))
+
+
+def max_prefill_blocks(num_tokens: int, max_num_seqs: int, block_q: int) -> int:
+    """Static bound on the prefill query blocks of a bucket: each prefilling sequence (>= 2
+    tokens) wastes at most one partial block."""
+    return cdiv(num_tokens, block_q) + min(max_num_seqs, num_tokens // 2)
 
 
 def query_blocks(batch, q_lens, num_blocks, block_q):
@@ -87,3 +107,43 @@ def token_block_rows(batch, blocks, token_seq, block_q):
     offset = jnp.arange(token_seq.shape[0], dtype=jnp.int32) - batch.token_start[token_seq]
     flat = (blocks.first_block[token_seq] + offset // block_q) * block_q + offset % block_q
     return jnp.clip(flat, 0, num_rows_total - 1)
+
+
+def check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs):
+    """Trace-time checks of a ragged paged-attention call (both impls): a ValueError that names the fix."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got {q.shape=}")
+    if k_cache.ndim != 4:
+        raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {k_cache.shape=}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {k_cache.shape}, got {v_cache.shape=}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError(
+            f"q, k_cache and v_cache must share one dtype, got {q.dtype=}, {k_cache.dtype=}, {v_cache.dtype=}; "
+            "cast q to the cache dtype"
+        )
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"attention needs a floating dtype, got {q.dtype=}")
+    _, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim:
+        raise ValueError(f"q's head_dim {head_dim} differs from the cache's {cache_head_dim}; they must match")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"{num_q_heads=} must be a multiple of {num_kv_heads=} (MHA, GQA or MQA); change the model's head counts"
+        )
+    for name, arr, ndim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),
+                            ("query_start_loc", query_start_loc, 1)):
+        if arr.dtype != jnp.int32:
+            raise ValueError(f"{name} must be int32, got {arr.dtype}; build it with np.int32 / jnp.int32")
+        if arr.ndim != ndim:
+            raise ValueError(f"{name} must have {ndim} dimension(s), got shape {arr.shape}")
+    max_num_seqs = block_tables.shape[0]
+    if seq_lens.shape != (max_num_seqs,):
+        raise ValueError(f"seq_lens must be i32[{max_num_seqs}] (one per block-table row), got {seq_lens.shape}")
+    if query_start_loc.shape != (max_num_seqs + 1,):
+        raise ValueError(f"query_start_loc must be i32[{max_num_seqs + 1}] (max_num_seqs + 1), got "
+                         f"{query_start_loc.shape}")
+    num_seqs = jnp.asarray(num_seqs)
+    if num_seqs.dtype != jnp.int32 or num_seqs.shape not in ((), (1,)):
+        raise ValueError(f"num_seqs must be an int32 scalar or i32[1], got {num_seqs.dtype}{num_seqs.shape}")

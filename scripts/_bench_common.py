@@ -151,7 +151,7 @@ def make_checkpoint(path: str, seed: int = 0) -> None:
         "transformers.LlamaForCausalLM(cfg).save_pretrained(sys.argv[1])\n"
     )
     subprocess.run([sys.executable, "-c", code, path], check=True, stderr=subprocess.DEVNULL)
-    shutil.copy(REPO / "paged_jax" / "assets" / "tokenizer.json", Path(path) / "tokenizer.json")
+    shutil.copy(REPO / "paged_jax" / "core" / "assets" / "tokenizer.json", Path(path) / "tokenizer.json")
 
 
 

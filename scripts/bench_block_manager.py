@@ -25,8 +25,8 @@ import statistics
 import sys
 import time
 
-from paged_jax.kv_cache_manager import KVCacheManager
-from paged_jax.request import Request
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request
 
 NUM_BLOCKS = 10_000
 BLOCK_SIZE = 16

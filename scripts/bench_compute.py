@@ -61,7 +61,7 @@ def model_shape(model_config) -> dict:
 
 def timed_steps(engine, prompts, max_tokens: int, keep) -> dict:
     """Runs the prompts to completion; sums useful FLOPs and times over the steps keep(out) accepts."""
-    from paged_jax.request import SamplingParams
+    from paged_jax.core.request import SamplingParams
 
     shape = model_shape(engine.model.config)
     runner, scheduler = engine.runner, engine.scheduler

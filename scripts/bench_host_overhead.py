@@ -41,7 +41,7 @@ PREFILL_BUDGET = 2048  # max_num_batched_tokens: only the untimed prefill uses m
 
 
 def make_requests(vocab: int, rng: np.random.Generator, max_tokens: int):
-    from paged_jax.request import SamplingParams
+    from paged_jax.core.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, top_k=50, ignore_eos=True)
     prompts = [rng.integers(3, vocab, int(rng.integers(*PROMPT_LEN))).tolist() for _ in range(NUM_SEQS)]
@@ -54,10 +54,10 @@ def _is_decode_step(out) -> bool:
 
 def host_path(steps: int, warmup: int, seed: int) -> dict[str, list[float]]:
     """schedule / build / update timings (microseconds) of `steps` all-decode steps."""
-    from paged_jax.batch import StepInputsBuilder, make_buckets
-    from paged_jax.kv_cache_manager import KVCacheManager
-    from paged_jax.request import Request
-    from paged_jax.scheduler import Scheduler
+    from paged_jax.core.batch import StepInputsBuilder, make_buckets
+    from paged_jax.core.kv_cache_manager import KVCacheManager
+    from paged_jax.core.request import Request
+    from paged_jax.core.scheduler import Scheduler
 
     rng = np.random.default_rng(seed)
     prompts, params = make_requests(32000, rng, steps + warmup + 50)
@@ -98,7 +98,7 @@ def engine_step(steps: int, warmup: int, seed: int) -> dict[str, list[float]]:
     from models.config import LlamaConfig
     from models.llama import LlamaForCausalLM
     from paged_jax.engine import EngineConfig, LLMEngine
-    from paged_jax.tokenizer import Tokenizer
+    from paged_jax.core.tokenizer import Tokenizer
 
     config = EngineConfig(model="tiny", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                           max_num_seqs=NUM_SEQS, max_num_batched_tokens=PREFILL_BUDGET, warm_up=False, seed=seed)

@@ -30,9 +30,9 @@ import time
 import numpy as np
 
 from _bench_common import command_line, machine_info, print_table, write_json
-from paged_jax.kv_cache_manager import KVCacheManager
-from paged_jax.request import Request, SamplingParams
-from paged_jax.scheduler import Scheduler
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request, SamplingParams
+from paged_jax.core.scheduler import Scheduler
 
 VOCAB = 32000
 

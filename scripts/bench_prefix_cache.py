@@ -37,7 +37,7 @@ QUESTION_LEN = 50
 def measure(args, model_dir: str, reps: int) -> int:
     """TTFT cold, warm and with caching off; prints the table and writes the JSON."""
     from paged_jax.engine import EngineConfig, LLMEngine
-    from paged_jax.request import SamplingParams
+    from paged_jax.core.request import SamplingParams
 
     engines, warm_up_s = {}, {}
     for name, caching in (("on", True), ("off", False)):

@@ -1,4 +1,4 @@
-"""Builds paged_jax/assets/tokenizer.json, the tokenizer of the embedded "tiny" model.
+"""Builds paged_jax/core/assets/tokenizer.json, the tokenizer of the embedded "tiny" model.
 
 A byte-level BPE (GPT-2/Llama-3 style: every byte is a token, so any text round-trips)
 trained locally with HF `tokenizers` on the small corpus below: no downloads, and the same
@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 VOCAB_SIZE = 512
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
-ASSET = Path(__file__).resolve().parent.parent / "paged_jax" / "assets" / "tokenizer.json"
+ASSET = Path(__file__).resolve().parent.parent / "paged_jax" / "core" / "assets" / "tokenizer.json"
 
 # Written for this file (plain English about the system plus everyday sentences), so the
 # merges cover common words and the engine's demo prompts tokenize into short sequences.

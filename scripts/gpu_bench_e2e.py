@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models.config import LlamaConfig  # noqa: E402
 from models.llama import LlamaForCausalLM  # noqa: E402
 from paged_jax.engine import EngineConfig, LLMEngine  # noqa: E402
-from paged_jax.request import SamplingParams  # noqa: E402
-from paged_jax.tokenizer import Tokenizer  # noqa: E402
+from paged_jax.core.request import SamplingParams  # noqa: E402
+from paged_jax.core.tokenizer import Tokenizer  # noqa: E402
 
 FULL = dict(preset="llama-3.2-1b", num_prompts=64, prompt_len=512, max_tokens=128, max_num_batched_tokens=2048)
 TINY = dict(preset="tiny", num_prompts=8, prompt_len=32, max_tokens=8, max_num_batched_tokens=64)

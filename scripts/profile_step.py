@@ -27,7 +27,7 @@ from _bench_common import bench_model_dir
 
 import pallas_kernels.paged_attention as paged_attention
 from models.loader import load_hf_checkpoint
-from paged_jax.batch import StepInputs
+from paged_jax.core.batch import StepInputs
 from paged_jax.runner import ModelRunner
 
 

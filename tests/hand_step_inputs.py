@@ -1,4 +1,4 @@
-"""StepInputs built by hand for the model tests, independently of paged_jax.batch.
+"""StepInputs built by hand for the model tests, independently of paged_jax.core.batch.
 
 Shared by test_llama.py and test_hf_parity.py (a plain module, not a test file, so neither
 test imports the other).
@@ -6,11 +6,11 @@ test imports the other).
 
 import numpy as np
 
-from paged_jax.batch import StepInputs
+from paged_jax.core.batch import StepInputs
 
 
 def hand_step_inputs(chunks, block_size, width, token_bucket, seq_bucket):
-    """StepInputs for one step, padded as paged_jax.batch pads (padding -> null block 0).
+    """StepInputs for one step, padded as paged_jax.core.batch pads (padding -> null block 0).
 
     chunks: list of (tokens, block_ids, start, end): the sequence's tokens [start, end) run
     this step, with tokens [0, start) already in the cache.

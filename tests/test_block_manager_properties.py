@@ -16,8 +16,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paged_jax.kv_cache_manager import KVCacheManager
-from paged_jax.request import Request
+from paged_jax.core.config import CacheConfig
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request
 
 BS = 4
 MAX_LEN = 48
@@ -110,7 +111,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     # run ("swarm testing"), and with many small rules runs that only add or reset dominate.
     @initialize(num_blocks=st.integers(4, 16))
     def setup(self, num_blocks):
-        self.mgr = KVCacheManager(num_blocks, BS, MAX_LEN)
+        self.mgr = KVCacheManager(CacheConfig(BS, num_blocks, MAX_LEN))
         self.model = ModelManager(num_blocks)
         self.waiting, self.running, self.requests = [], [], {}
         self.counter = 0
@@ -213,7 +214,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for req in list(self.running):
             self._end(req)
         self.mgr.check_invariants()
-        assert self.mgr.get_num_free_blocks() == self.mgr.num_blocks - 1, "blocks leaked"
+        assert self.mgr.get_num_free_blocks() == self.mgr.config.num_usable_blocks, "blocks leaked"
         assert all(b.ref_cnt == 0 for b in self.mgr.block_pool.blocks), "references leaked"
         assert not self.mgr.req_to_blocks and not self.mgr.num_cached_block, "per-request state leaked"
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from paged_jax.block_pool import BlockHashToBlockMap, BlockPool
+from paged_jax.core.config import CacheConfig
+from paged_jax.core.block_pool import BlockHashToBlockMap, BlockPool
 
 
 class FakeRequest:
@@ -31,7 +32,10 @@ def test_null_block_is_taken_at_start():
     pool.touch([pool.null_block])
     assert queue(pool) == list(range(1, 11)) and pool.null_block.ref_cnt == 0
     pool.check_invariants()
-    with pytest.raises(ValueError, match="num_blocks"):
+    # The user's value is checked once, in CacheConfig; the pool asserts what it was given.
+    with pytest.raises(ValueError, match="num_blocks=1 must be an int >= 2; block 0 is the null block"):
+        CacheConfig(block_size=16, num_blocks=1, max_model_len=64)
+    with pytest.raises(AssertionError, match="null block plus one"):
         BlockPool(1)
 
 

@@ -1,4 +1,4 @@
-"""Chain hashing: hash functions, NONE_HASH seeding, extra keys, incremental block hashes."""
+"""Chain hashing: hash functions, chain-root seeding, extra keys, incremental block hashes."""
 
 import hashlib
 import os
@@ -9,24 +9,21 @@ import cbor2
 import pytest
 import xxhash
 
-from paged_jax import hashing
-from paged_jax.hashing import (
+from paged_jax.core import hashing
+from paged_jax.core.config import CacheConfig
+from paged_jax.core.hashing import (
     BlockHasher,
     generate_block_hash_extra_keys,
     get_hash_fn_by_name,
     hash_block_tokens,
-    init_none_hash,
+    make_none_hash,
     sha256_cbor,
     xxhash_cbor,
 )
-from paged_jax.request import Request
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request
 
-
-@pytest.fixture
-def restore_none_hash():
-    saved = hashing.NONE_HASH
-    yield
-    hashing.NONE_HASH = saved
+ROOT = make_none_hash(sha256_cbor, seed=0)
 
 
 def test_hash_fns_are_sha256_and_xxh3_over_canonical_cbor():
@@ -41,26 +38,47 @@ def test_hash_fns_are_sha256_and_xxh3_over_canonical_cbor():
         get_hash_fn_by_name("md5")
 
 
-def test_hash_block_tokens_chains_from_none_hash():
-    h0 = hash_block_tokens(sha256_cbor, None, [1, 2, 3, 4])
-    assert h0 == sha256_cbor((hashing.NONE_HASH, (1, 2, 3, 4), None))
-    assert h0 == hash_block_tokens(sha256_cbor, b"", (1, 2, 3, 4))  # tuple or list, None or b""
+def test_hash_block_tokens_chains_from_the_root():
+    h0 = hash_block_tokens(sha256_cbor, ROOT, [1, 2, 3, 4])
+    assert h0 == sha256_cbor((ROOT, (1, 2, 3, 4), None))
+    assert h0 == hash_block_tokens(sha256_cbor, ROOT, (1, 2, 3, 4))  # tuple or list
     h1 = hash_block_tokens(sha256_cbor, h0, [5, 6, 7, 8])
     assert h1 == sha256_cbor((h0, (5, 6, 7, 8), None))
     # Same tokens after a different parent -> different hash (the whole prefix matters).
-    other_parent = hash_block_tokens(sha256_cbor, None, [1, 2, 3, 9])
+    other_parent = hash_block_tokens(sha256_cbor, ROOT, [1, 2, 3, 9])
     assert hash_block_tokens(sha256_cbor, other_parent, [5, 6, 7, 8]) != h1
     assert hash_block_tokens(sha256_cbor, h0, [5, 6, 7, 8], ("salt",)) != h1
+    # A different root changes every hash of the chain.
+    assert hash_block_tokens(sha256_cbor, make_none_hash(sha256_cbor, seed=1), [1, 2, 3, 4]) != h0
+    for missing in (None, b""):  # block 0 needs its root: no hidden global fills it in
+        with pytest.raises(ValueError, match="make_none_hash"):
+            hash_block_tokens(sha256_cbor, missing, [1, 2, 3, 4])
 
 
-def test_init_none_hash_seeding(restore_none_hash, monkeypatch):
+def test_make_none_hash_seeding(monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    assert init_none_hash(sha256_cbor, seed=42) == sha256_cbor("42") == hashing.NONE_HASH
-    a, b = init_none_hash(sha256_cbor), init_none_hash(sha256_cbor)
+    assert make_none_hash(sha256_cbor, seed=42) == sha256_cbor("42")
+    a, b = make_none_hash(sha256_cbor), make_none_hash(sha256_cbor)
     assert a != b and len(a) == 32  # random without a seed
     monkeypatch.setenv("PYTHONHASHSEED", "42")
-    assert init_none_hash(sha256_cbor) == sha256_cbor("42")
-    assert init_none_hash(xxhash_cbor, seed=0) == xxhash_cbor("0")
+    assert make_none_hash(sha256_cbor) == sha256_cbor("42")
+    assert make_none_hash(xxhash_cbor, seed=0) == xxhash_cbor("0")
+    assert not hasattr(hashing, "NONE_HASH"), "the root is owned by each manager, not a module global"
+
+
+def test_each_manager_owns_its_root(monkeypatch):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    config = CacheConfig(block_size=4, num_blocks=11, max_model_len=64)
+    a, b = KVCacheManager(config), KVCacheManager(config)
+    assert a.block_hasher.none_hash != b.block_hasher.none_hash  # unseeded: unpredictable per engine
+    seeded = CacheConfig(block_size=4, num_blocks=11, max_model_len=64, hash_seed=7)
+    c, d = KVCacheManager(seeded), KVCacheManager(seeded)
+    assert c.block_hasher.none_hash == d.block_hasher.none_hash == sha256_cbor("7")
+    tokens = list(range(9))
+    assert Request("x", tokens, block_hasher=c.block_hasher).block_hashes == \
+        Request("y", tokens, block_hasher=d.block_hasher).block_hashes
+    assert Request("x", tokens, block_hasher=a.block_hasher).block_hashes != \
+        Request("y", tokens, block_hasher=b.block_hasher).block_hashes
 
 
 def _none_hash_in_subprocess(env_seed):
@@ -68,7 +86,8 @@ def _none_hash_in_subprocess(env_seed):
     env.pop("PYTHONHASHSEED", None)
     if env_seed is not None:
         env["PYTHONHASHSEED"] = env_seed
-    code = "from paged_jax import hashing; print(hashing.NONE_HASH.hex())"
+    code = ("from paged_jax.core.config import CacheConfig; from paged_jax.core.kv_cache_manager import KVCacheManager; "
+            "print(KVCacheManager(CacheConfig(16, 11, 64)).block_hasher.none_hash.hex())")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
 
 
@@ -101,9 +120,9 @@ def test_extra_keys_multimodal_items_on_overlapping_blocks():
     assert generate_block_hash_extra_keys(req, 16, 24, -1)[0] == (("B", 6),)
 
 
-def manual_chain(tokens, block_size, request=None):
+def manual_chain(tokens, block_size, root, request=None):
     """The chain computed block by block with the public pieces."""
-    hashes, parent = [], None
+    hashes, parent = [], root
     for start in range(0, len(tokens) - block_size + 1, block_size):
         extra = generate_block_hash_extra_keys(request, start, start + block_size, 0)[0] if request else None
         parent = hash_block_tokens(sha256_cbor, parent, tokens[start : start + block_size], extra)
@@ -114,9 +133,9 @@ def manual_chain(tokens, block_size, request=None):
 @pytest.mark.parametrize("kw", [{}, {"cache_salt": "x", "lora_name": "L", "mm_features": [("img", 5, 20)]}])
 def test_block_hasher_matches_manual_chain_and_only_full_blocks(kw):
     tokens = list(range(50))
-    req = Request("r", tokens, block_hasher=BlockHasher(16), **kw)
+    req = Request("r", tokens, block_hasher=BlockHasher(16, none_hash=ROOT), **kw)
     assert len(req.block_hashes) == 3  # 50 // 16; the partial block is not hashed
-    assert req.block_hashes == manual_chain(tokens, 16, req)
+    assert req.block_hashes == manual_chain(tokens, 16, ROOT, req)
 
 
 def test_append_hashes_incrementally_never_rehashing():
@@ -126,7 +145,7 @@ def test_append_hashes_incrementally_never_rehashing():
         calls.append(obj[1])
         return sha256_cbor(obj)
 
-    hasher = BlockHasher(4, counting_sha)
+    hasher = BlockHasher(4, counting_sha, ROOT)
     req = Request("r", [1, 2, 3, 4, 5], block_hasher=hasher)
     assert len(calls) == 1
     for t in range(6, 40):
@@ -136,7 +155,7 @@ def test_append_hashes_incrementally_never_rehashing():
     # One hash per block, each computed exactly once, in order.
     assert calls == [tuple(range(1 + 4 * i, 5 + 4 * i)) for i in range(12)]
     assert req.block_hashes == [
-        h for h in manual_chain(list(range(1, 49)), 4)
+        h for h in manual_chain(list(range(1, 49)), 4, ROOT)
     ]
 
 

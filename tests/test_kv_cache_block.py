@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from paged_jax.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
+from paged_jax.core.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 
 
 def make(n):
@@ -23,8 +23,6 @@ def test_block_is_slotted_and_repr_shows_neighbour_ids_only():
         b.color = "red"
     blocks, q = make(3)
     assert "prev_free_block=0, next_free_block=2" in repr(blocks[1])
-    b.reset_hash()
-    assert b.block_hash is None
 
 
 def test_initial_order_and_popleft():

@@ -7,10 +7,10 @@ manager's invariant check.
 
 import pytest
 
-from paged_jax import hashing
-from paged_jax.hashing import hash_block_tokens, sha256_cbor
-from paged_jax.kv_cache_manager import KVCacheManager
-from paged_jax.request import Request
+from paged_jax.core.config import CacheConfig
+from paged_jax.core.hashing import hash_block_tokens, sha256_cbor
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request
 
 BS = 16
 
@@ -23,8 +23,14 @@ def queue(mgr):
     return [b.block_id for b in mgr.block_pool.free_block_queue.get_all_free_blocks()]
 
 
-def make_manager(num_blocks=11, block_size=BS, max_model_len=8192, **kw):
-    return KVCacheManager(num_blocks, block_size, max_model_len, **kw)
+def make_manager(num_blocks=11, block_size=BS, max_model_len=8192, enable_caching=True, **kw):
+    return KVCacheManager(CacheConfig(block_size, num_blocks, max_model_len, enable_prefix_caching=enable_caching,
+                                      **kw))
+
+
+def root(mgr):
+    """The manager's chain root (each manager owns its own)."""
+    return mgr.block_hasher.none_hash
 
 
 def prefill(mgr, req):
@@ -47,7 +53,7 @@ def test_pinned_prefill_sharing_and_free_order():
     assert (blocks, num_hit) == ([], 0)  # empty cache
     assert ids(mgr.allocate_slots(r0, 55, 0, blocks)) == [1, 2, 3, 4]
     # Full blocks carry the chain hash, the partial one none.
-    parent = None
+    parent = root(mgr)
     for block_id in (1, 2, 3):
         h = hash_block_tokens(sha256_cbor, parent, COMMON[(block_id - 1) * BS : block_id * BS])
         assert mgr.block_pool.blocks[block_id].block_hash == h
@@ -121,7 +127,7 @@ def test_pinned_block_aligned_prompt_recomputes_last_block():
 # ---------------------------------------------------------------- the seed article, ids + 1
 def test_seed_article_walkthrough_on_7_blocks():
     bs = 4
-    mgr = KVCacheManager(7, bs, 64)
+    mgr = make_manager(7, bs, 64)
     assert queue(mgr) == [1, 2, 3, 4, 5, 6]  # T0: all free, ascending
     # T1: A (10 tokens: two full blocks and a partial one) takes [1, 2, 3].
     a = Request("A", list(range(10)))
@@ -192,7 +198,7 @@ def test_eviction_order():
 
 def test_hit_block_not_evicted_by_own_allocation():
     bs = 4
-    mgr = KVCacheManager(4, bs, 64)  # 3 usable blocks
+    mgr = make_manager(4, bs, 64)  # 3 usable blocks
     a = Request("A", [1, 2, 3, 4])
     assert ids(prefill(mgr, a)[2]) == [1]
     mgr.free(a)
@@ -241,7 +247,7 @@ def test_cache_salt_isolates_and_enters_only_block_0():
     assert h == []  # no hasher yet: the manager attaches its own on first sight
     prefill(mgr, r0)
     h = r0.block_hashes
-    assert h[0] == hash_block_tokens(sha256_cbor, None, tokens[:BS], ("salt1",))
+    assert h[0] == hash_block_tokens(sha256_cbor, root(mgr), tokens[:BS], ("salt1",))
     assert h[1] == hash_block_tokens(sha256_cbor, h[0], tokens[BS : 2 * BS], None)
     assert mgr.get_computed_blocks(Request("1", tokens, cache_salt="salt1"))[1] == 48
     assert mgr.get_computed_blocks(Request("2", tokens, cache_salt="salt2"))[1] == 0
@@ -267,7 +273,7 @@ def test_reset_prefix_cache():
     assert len(mgr.block_pool.cached_block_hash_to_block) == 0
     assert all(b.block_hash is None for b in mgr.block_pool.blocks)
     assert queue(mgr) == order  # reset forgets hashes, not the order
-    assert mgr.make_prefix_cache_stats().reset
+    assert mgr.prefix_cache_stats.num_resets == 1
     assert mgr.get_computed_blocks(Request("2", COMMON + [3]))[1] == 0
     mgr.check_invariants()
 
@@ -278,9 +284,10 @@ def test_stats_count_preempted_requests_apart():
     r0 = Request("0", COMMON + [3] * 7)
     prefill(mgr, r0)
     prefill(mgr, Request("1", COMMON + [5]))
-    stats = mgr.make_prefix_cache_stats()
+    stats = mgr.prefix_cache_stats.copy()
     assert (stats.requests, stats.queries, stats.hits) == (2, 55 + 49, 48)
     assert stats.hit_rate == pytest.approx(48 / 104)
+    assert mgr.prefix_cache_stats == stats  # reading changes nothing
     # Preempt r0 (recompute): its blocks return; on resume it hits its own full blocks.
     r0.append_output_token_ids([9] * 9)  # 64 tokens: block 3 is full now
     mgr.allocate_slots(r0, 9)
@@ -291,9 +298,9 @@ def test_stats_count_preempted_requests_apart():
     # Block 4 is cached too, but (64 - 1) // 16 = 3 blocks at most: the last token is recomputed.
     assert mgr.block_pool.blocks[4].block_hash == r0.block_hashes[3]
     assert ids(blocks) == [1, 2, 3] and num_hit == 48
-    stats = mgr.make_prefix_cache_stats()
-    assert (stats.requests, stats.preempted_requests, stats.preempted_queries) == (0, 1, 64)
-    assert mgr.make_prefix_cache_stats().queries == 0  # a fresh interval
+    now = mgr.prefix_cache_stats
+    assert (now.requests, now.preempted_requests, now.preempted_queries, now.preempted_hits) == (2, 1, 64, 48)
+    assert (now.queries, now.hits) == (stats.queries, stats.hits)  # the hit rate counts fresh requests only
 
 
 def test_chunked_prefill_caches_full_blocks_per_chunk():
@@ -348,21 +355,24 @@ def test_request_built_with_managers_hasher_matches_lazy_attach():
     lazy = Request("l", COMMON + [1, 2])
     mgr.get_computed_blocks(lazy)
     assert eager.block_hashes == lazy.block_hashes and len(eager.block_hashes) == 3
-    foreign = KVCacheManager(11, 8, 100).block_hasher
+    foreign = make_manager(11, 8, 100).block_hasher
     other = Request("o", COMMON, block_hasher=foreign)
     with pytest.raises(ValueError, match="block_hasher=None"):
         mgr.get_computed_blocks(other)
 
 
-def test_none_hash_reseed_after_manager_creation_does_not_break_its_hits():
-    mgr = make_manager()
-    prefill(mgr, Request("a", COMMON + [3]))
-    saved = hashing.NONE_HASH
-    try:
-        hashing.init_none_hash(sha256_cbor, seed=1234)
-        assert mgr.get_computed_blocks(Request("b", COMMON + [4]))[1] == 48
-    finally:
-        hashing.NONE_HASH = saved
+def test_managers_share_hits_only_with_the_same_hash_seed():
+    a, b, c = make_manager(hash_seed=5), make_manager(hash_seed=5), make_manager(hash_seed=6)
+    prefill(a, Request("a", COMMON + [3]))
+    prefill(b, Request("b", COMMON + [3]))
+    prefill(c, Request("c", COMMON + [3]))
+    assert a.block_pool.blocks[1].block_hash == b.block_pool.blocks[1].block_hash
+    assert a.block_pool.blocks[1].block_hash != c.block_pool.blocks[1].block_hash
+    # A request hashed by a's hasher carries a's chain: c refuses it rather than missing silently.
+    with pytest.raises(ValueError, match="block_hasher=None"):
+        c.get_computed_blocks(Request("x", COMMON + [4], block_hasher=a.block_hasher))
+    # b's hasher makes the same hashes as a's: a accepts it and hits.
+    assert a.get_computed_blocks(Request("y", COMMON + [4], block_hasher=b.block_hasher))[1] == 48
 
 
 # ---------------------------------------------------------------- bad input
@@ -379,7 +389,7 @@ def test_none_hash_reseed_after_manager_creation_does_not_break_its_hits():
 def test_bad_config_raises_value_error(kwargs, match):
     args = dict(num_blocks=11, block_size=16, max_model_len=64) | kwargs
     with pytest.raises(ValueError, match=match):
-        KVCacheManager(**args)
+        CacheConfig(**args)
 
 
 def test_bad_requests_raise_value_error():

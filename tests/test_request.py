@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from paged_jax.request import Request, RequestStatus, SamplingParams
+from paged_jax.core.request import Request, RequestStatus, SamplingParams
 
 
 def test_request_fields_and_token_bookkeeping():

@@ -4,17 +4,19 @@ simulation that reads every token back through the block tables."""
 import numpy as np
 import pytest
 
-from paged_jax.batch import StepInputsBuilder, make_buckets
-from paged_jax.kv_cache_manager import KVCacheManager
-from paged_jax.request import Request, RequestStatus, SamplingParams
-from paged_jax.scheduler import Scheduler
+from paged_jax.core.batch import StepInputsBuilder
+from paged_jax.core.config import CacheConfig, SchedulerConfig
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request, RequestStatus, SamplingParams
+from paged_jax.core.scheduler import Scheduler
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=100)
 
 
 def _make(num_blocks=64, budget=64, max_num_seqs=8, max_model_len=64, caching=True, threshold=0, block_size=4):
-    kv = KVCacheManager(num_blocks, block_size, max_model_len, enable_caching=caching)
-    return Scheduler(kv, max_num_seqs, budget, max_model_len, block_size, long_prefill_token_threshold=threshold)
+    kv = KVCacheManager(CacheConfig(block_size, num_blocks, max_model_len, enable_prefix_caching=caching))
+    config = SchedulerConfig(max_num_seqs, budget, max_model_len, threshold, min_token_bucket=4, min_seq_bucket=1)
+    return Scheduler(config, kv)
 
 
 def _req(rid, n, start=0, max_tokens=100, **kw):
@@ -220,7 +222,7 @@ def test_abort_frees_blocks_wherever_the_request_is():
 
 def test_rejects_requests_that_can_never_run():
     s = _make(num_blocks=5, max_model_len=32)  # 4 usable blocks = 16 slots
-    s.check_request_fits(_req("ok", 10, max_tokens=7))  # 16 slots: the 17th token is never computed
+    s.kv_cache_manager.check_request(_req("ok", 10, max_tokens=7))  # 16 slots: the 17th token is never computed
     with pytest.raises(ValueError, match="whole pool has 4"):
         s.add_request(_req("big", 10, max_tokens=8))
     with pytest.raises(ValueError, match="max_model_len"):
@@ -234,13 +236,13 @@ def test_rejects_requests_that_can_never_run():
 
 
 def test_constructor_checks():
-    kv = KVCacheManager(8, 4, 32)
-    with pytest.raises(ValueError, match="block_size=8 differs"):
-        Scheduler(kv, 4, 16, 32, 8)
+    kv = KVCacheManager(CacheConfig(4, 8, 32))
+    with pytest.raises(ValueError, match="max_model_len=64 differs from the KV cache's 32"):
+        Scheduler(SchedulerConfig(4, 16, 64), kv)
     with pytest.raises(ValueError, match="max_num_seqs"):
-        Scheduler(kv, 0, 16, 32, 4)
+        SchedulerConfig(0, 16, 32)
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
-        Scheduler(kv, 4, 16, 32, 4, long_prefill_token_threshold=-1)
+        SchedulerConfig(4, 16, 32, long_prefill_token_threshold=-1)
 
 
 def _simulate(seed, *, num_blocks, budget, max_num_seqs, caching, threshold, num_reqs):
@@ -252,8 +254,7 @@ def _simulate(seed, *, num_blocks, budget, max_num_seqs, caching, threshold, num
     bs, max_model_len = 4, 48
     s = _make(num_blocks=num_blocks, budget=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
               caching=caching, threshold=threshold)
-    builder = StepInputsBuilder(block_size=bs, max_blocks_per_seq=max_model_len // bs,
-                                token_buckets=make_buckets(budget, 4), seq_buckets=make_buckets(max_num_seqs), seed=0)
+    builder = StepInputsBuilder(s.kv_cache_manager.config, s.config, seed=0)
     store = np.full(num_blocks * bs, -1, np.int64)
     shared = rng.integers(0, 50, 12).tolist()
 
@@ -272,11 +273,11 @@ def _simulate(seed, *, num_blocks, budget, max_num_seqs, caching, threshold, num
         assert out.total_num_scheduled_tokens <= budget and out.num_seqs <= max_num_seqs
         inputs = builder.build(out)
         n = out.total_num_scheduled_tokens
-        store[inputs.slot_mapping[:n]] = inputs.token_ids[:n]  # the step writes every K/V first
+        store[inputs.attention.slot_mapping[:n]] = inputs.model.token_ids[:n]  # the step writes every K/V first
         sampled = []
         for i in range(out.num_seqs):
-            length = int(inputs.seq_lens[i])
-            table = inputs.block_tables[i]
+            length = int(inputs.attention.seq_lens[i])
+            table = inputs.attention.block_tables[i]
             slots = table[np.arange(length) // bs] * bs + np.arange(length) % bs
             sampled.append(model(store[slots].tolist()))
         s.update_from_output(out, sampled)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from paged_jax.tokenizer import Tokenizer
+from paged_jax.core.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,7 +67,7 @@ def test_asset_is_reproducible_from_the_script():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     fresh = module.build().to_str(pretty=True) + "\n"
-    committed = (REPO / "paged_jax" / "assets" / "tokenizer.json").read_text(encoding="utf-8")
+    committed = (REPO / "paged_jax" / "core" / "assets" / "tokenizer.json").read_text(encoding="utf-8")
     assert fresh == committed, "run scripts/build_tokenizer.py and commit the asset"
 
 
@@ -103,5 +103,5 @@ def test_missing_tokenizer_json_names_the_fix(tmp_path):
 
 
 def test_tokenizer_module_imports_no_jax():
-    code = "import sys, paged_jax.tokenizer; assert 'jax' not in sys.modules, 'tokenizer imported jax'"
+    code = "import sys, paged_jax.core.tokenizer; assert 'jax' not in sys.modules, 'tokenizer imported jax'"
     subprocess.run([sys.executable, "-c", code], check=True)

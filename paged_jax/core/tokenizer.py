@@ -1,7 +1,7 @@
 """Text <-> token ids through HF `tokenizers`, reading a model directory's tokenizer.json.
 
 `Tokenizer.from_model("tiny")` loads the byte-level BPE that ships inside the package
-(paged_jax/assets/tokenizer.json, built by scripts/build_tokenizer.py), so the default model
+(paged_jax/core/assets/tokenizer.json, built by scripts/build_tokenizer.py), so the default model
 runs on a fresh machine without downloads. Imports no jax.
 """
 
@@ -70,7 +70,7 @@ class Tokenizer:
         holding tokenizer.json (plus optional tokenizer_config.json and
         generation_config.json), or a tokenizer.json file."""
         if isinstance(model, str) and model in EMBEDDED_MODELS:
-            text = resources.files("paged_jax").joinpath("assets", "tokenizer.json").read_text(encoding="utf-8")
+            text = resources.files("paged_jax.core").joinpath("assets", "tokenizer.json").read_text(encoding="utf-8")
             return cls(_HFTokenizer.from_str(text))
         path = Path(model)
         if path.is_file():

@@ -41,9 +41,6 @@ class KVCacheBlock:
         self.next_free_block = next_free_block
         self.is_null = is_null
 
-    def reset_hash(self) -> None:
-        self.block_hash = None
-
     def __repr__(self) -> str:
         # Print neighbour ids only: printing the neighbours themselves would walk the queue.
         prev_id = self.prev_free_block.block_id if self.prev_free_block else None

@@ -1,9 +1,10 @@
 """Chain hashing of full token blocks: the keys of the prefix cache.
 
-h_i = H((h_{i-1} or NONE_HASH, tuple(tokens of block i), extra_keys_i)), so a block's hash
+h_i = H((h_{i-1} or the root, tuple(tokens of block i), extra_keys_i)), so a block's hash
 names its whole prefix: two requests share block i only if they agree on every token
-before it (and on the LoRA adapter, multimodal inputs and cache salt). Only full blocks are
-hashed. H returns bytes: sha256 over canonical CBOR (the default; canonical so equal inputs
+before it (and on the LoRA adapter, multimodal inputs and cache salt). The root
+(vLLM's NONE_HASH) belongs to each KVCacheManager's hasher, never to a module global. Only
+full blocks are hashed. H returns bytes: sha256 over canonical CBOR (the default; canonical so equal inputs
 give equal bytes everywhere) or xxh3-128 over the same encoding (faster, not
 collision-resistant against an adversary). Imports no jax.
 """
@@ -48,32 +49,22 @@ def get_hash_fn_by_name(name: str) -> HashFn:
         raise ValueError(f"hash_algo={name!r} is unknown; use one of {sorted(HASH_FNS)}") from None
 
 
-# Parent of block 0. Random per process unless seeded, so another tenant cannot precompute
-# our chains (and probe the cache for prompts it guesses). Read it as `hashing.NONE_HASH`:
-# `from paged_jax.hashing import NONE_HASH` copies the value and misses init_none_hash.
-NONE_HASH: BlockHash = b""
+def make_none_hash(hash_fn: HashFn = sha256_cbor, seed: int | str | None = None) -> BlockHash:
+    """The root of a hash chain (vLLM's NONE_HASH): hash_fn(str(seed)), else random.
 
-
-def init_none_hash(hash_fn: HashFn = sha256_cbor, seed: int | str | None = None) -> BlockHash:
-    """Set NONE_HASH: hash_fn(str(seed)), seed from the argument or PYTHONHASHSEED, else random.
-
-    Returns the new NONE_HASH. Hashes computed before the call chain from the old one, so call
-    it before any request is hashed (a BlockHasher keeps the NONE_HASH it was built with).
+    The seed comes from the argument, else PYTHONHASHSEED. Unseeded, the root is random per
+    call, so another tenant cannot precompute our chains (and probe the cache for prompts it
+    guesses). Each KVCacheManager makes its own (CacheConfig.hash_seed); there is no global.
+    str(seed): seed=0 and PYTHONHASHSEED="0" give the same chain.
     """
-    global NONE_HASH
     if seed is None:
         seed = os.environ.get("PYTHONHASHSEED")
-    # str(seed): seed=0 and PYTHONHASHSEED="0" give the same chain.
-    NONE_HASH = os.urandom(32) if seed is None else hash_fn(str(seed))
-    return NONE_HASH
-
-
-init_none_hash(sha256_cbor)
+    return os.urandom(32) if seed is None else hash_fn(str(seed))
 
 
 def hash_block_tokens(
     hash_fn: HashFn,
-    parent_block_hash: BlockHash | None,
+    parent_block_hash: BlockHash,
     curr_block_token_ids: Sequence[int],
     extra_keys: tuple | None = None,
 ) -> BlockHash:
@@ -81,14 +72,16 @@ def hash_block_tokens(
 
     Args:
       hash_fn: bytes-returning hash of a CBOR-encodable object (sha256_cbor, xxhash_cbor).
-      parent_block_hash: hash of the previous block; None (or b"") for block 0.
+      parent_block_hash: hash of the previous block; for block 0 the chain's root
+        (make_none_hash, BlockHasher.none_hash).
       curr_block_token_ids: the block's block_size token ids.
       extra_keys: what else must match for reuse (LoRA name, multimodal ids, cache salt).
     Returns:
       The block hash (bytes).
     """
     if not parent_block_hash:
-        parent_block_hash = NONE_HASH
+        raise ValueError("parent_block_hash is empty: pass the previous block's hash, or for block 0 the "
+                         "chain's root (make_none_hash(hash_fn, seed) or a BlockHasher's none_hash)")
     return hash_fn((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
 
 
@@ -145,16 +138,18 @@ def generate_block_hash_extra_keys(request, start_token_idx: int, end_token_idx:
 class BlockHasher:
     """Computes a request's missing block hashes: one per block that is full and unhashed.
 
-    Bound to (block_size, hash_fn, NONE_HASH at construction); a KVCacheManager owns one and
-    attaches it to every request it sees. `enabled=False` (prefix caching off) hashes nothing.
+    Bound to (block_size, hash_fn, none_hash): a KVCacheManager owns one and attaches it to
+    every request it sees. none_hash is the root of every chain (default: make_none_hash(hash_fn),
+    random unless PYTHONHASHSEED is set). `enabled=False` (prefix caching off) hashes nothing.
     """
 
     __slots__ = ("block_size", "hash_fn", "none_hash", "enabled")
 
-    def __init__(self, block_size: int, hash_fn: HashFn = sha256_cbor, enabled: bool = True):
+    def __init__(self, block_size: int, hash_fn: HashFn = sha256_cbor, none_hash: BlockHash | None = None,
+                 enabled: bool = True):
         self.block_size = block_size
         self.hash_fn = hash_fn
-        self.none_hash = NONE_HASH
+        self.none_hash = make_none_hash(hash_fn) if none_hash is None else none_hash
         self.enabled = enabled
 
     def is_compatible(self, other: BlockHasher | None) -> bool:

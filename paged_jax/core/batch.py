@@ -1,60 +1,21 @@
 """Scheduler output -> StepInputs: the one place where padding happens.
 
 Everything the jitted step needs travels in one StepInputs of fixed-shape arrays (no hidden
-globals between host and device). The builder pads to buckets of token count T and
-sequence count S; block tables have the fixed width cdiv(max_model_len, block_size).
-Padding always points into the null block (block 0), never -1: in jnp, -1 wraps to the last
-element, and inside a Pallas kernel it is out of range.
+globals between host and device; the records are in step_inputs.py). The builder pads to
+the buckets of SchedulerConfig (token count T, sequence count S); block tables have the
+fixed width CacheConfig.max_blocks_per_seq. Padding always points into the null block
+(block 0), never -1: in jnp, -1 wraps to the last element, and inside a Pallas kernel it is
+out of range. Imports no jax.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import NamedTuple
 
 import numpy as np
 
-
-class StepInputs(NamedTuple):
-    """Inputs of one engine step (a NamedTuple, so it is a pytree without importing jax).
-
-    Shapes: T = token bucket, S = sequence bucket, W = max blocks per sequence.
-    """
-
-    token_ids: np.ndarray  # i32[T]; padded tokens are 0
-    positions: np.ndarray  # i32[T]; padded tokens are 0
-    slot_mapping: np.ndarray  # i32[T]; slot = block_id * block_size + offset; padding -> 0 (null block)
-    block_tables: np.ndarray  # i32[S, W]; padded entries and padded sequences -> 0 (null block)
-    seq_lens: np.ndarray  # i32[S]; context length INCLUDING this step's tokens; 0 for padded seqs
-    query_start_loc: np.ndarray  # i32[S + 1]; seq i owns tokens [qsl[i], qsl[i+1]); padded seqs repeat the end
-    num_seqs: np.ndarray  # i32[1]; number of real sequences
-    logits_indices: np.ndarray  # i32[S]; token row whose logits sample seq i's next token; padding -> 0
-    # Per-sequence sampling state (filled by the engine; model-only callers may leave them None).
-    temperature: np.ndarray | None = None  # f32[S]; 0 means greedy
-    top_k: np.ndarray | None = None  # i32[S]; -1 or 0 disables
-    top_p: np.ndarray | None = None  # f32[S]; 1.0 disables
-    rng_keys: np.ndarray | None = None  # u32[S, 2]; per-request seed folded with its step count
-
-
-def make_buckets(max_value: int, min_value: int = 1) -> list[int]:
-    """Powers of two from the first one >= min_value, capped by max_value (always the last).
-
-    make_buckets(100, 8) == [8, 16, 32, 64, 100]. Each bucket is one compiled shape, so the
-    count stays logarithmic while padding wastes at most half of a step.
-    """
-    for name, value in (("max_value", max_value), ("min_value", min_value)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
-    if min_value > max_value:
-        raise ValueError(f"min_value={min_value} must be <= max_value={max_value}")
-    buckets, size = [], 1
-    while size < min_value:
-        size *= 2
-    while size < max_value:
-        buckets.append(size)
-        size *= 2
-    buckets.append(max_value)
-    return buckets
+from paged_jax.core.config import CacheConfig, SchedulerConfig
+from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
 
 
 def _seed_to_u32(seed: int) -> int:
@@ -84,11 +45,11 @@ class StepInputsBuilder:
     Unseeded requests get a random seed once, kept across preemption until they finish.
     """
 
-    def __init__(self, *, block_size: int, max_blocks_per_seq: int, token_buckets, seq_buckets, seed: int | None = None):
-        self.block_size = block_size
-        self.max_blocks_per_seq = max_blocks_per_seq
-        self.token_buckets = sorted(token_buckets)
-        self.seq_buckets = sorted(seq_buckets)
+    def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig, seed: int | None = None):
+        self.block_size = cache_config.block_size
+        self.max_blocks_per_seq = cache_config.max_blocks_per_seq
+        self.token_buckets = scheduler_config.token_buckets
+        self.seq_buckets = scheduler_config.seq_buckets
         self._rng = np.random.default_rng(seed)
         self._row_of: dict[str, int] = {}
         self._free_rows: list[int] = []
@@ -232,18 +193,17 @@ class StepInputsBuilder:
         # The token sampled from this step is output number seq_len - num_prompt (0-based).
         rng_keys[:num_seqs, 1] = np.maximum(seq_lens[:num_seqs] - self._num_prompt[rows], 0)
         return StepInputs(
-            token_ids=tokens, positions=positions, slot_mapping=slot_mapping, block_tables=block_tables,
-            seq_lens=seq_lens, query_start_loc=query_start_loc, num_seqs=np.array([num_seqs], np.int32),
-            logits_indices=logits_indices, temperature=temperature, top_k=top_k, top_p=top_p, rng_keys=rng_keys,
+            ModelInputs(token_ids=tokens, positions=positions, logits_indices=logits_indices),
+            AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
+                              query_start_loc=query_start_loc, num_seqs=np.array([num_seqs], np.int32)),
+            SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, rng_keys=rng_keys),
         )
 
 
-def build_step_inputs(scheduler_output, get_block_ids, *, block_size, max_blocks_per_seq, token_buckets,
-                      seq_buckets, seed=None) -> StepInputs:
+def build_step_inputs(scheduler_output, get_block_ids, cache_config: CacheConfig,
+                      scheduler_config: SchedulerConfig, seed=None) -> StepInputs:
     """One-shot build (no state kept between steps): every table is read via get_block_ids.
 
     Engines use a StepInputsBuilder instead, which appends blocks incrementally.
     """
-    builder = StepInputsBuilder(block_size=block_size, max_blocks_per_seq=max_blocks_per_seq,
-                                token_buckets=token_buckets, seq_buckets=seq_buckets, seed=seed)
-    return builder.build(scheduler_output, get_block_ids)
+    return StepInputsBuilder(cache_config, scheduler_config, seed).build(scheduler_output, get_block_ids)

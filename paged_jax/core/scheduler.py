@@ -24,7 +24,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from paged_jax.request import Request, RequestStatus
+from paged_jax.core.config import SchedulerConfig
+from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.request import Request, RequestStatus
 
 
 @dataclass
@@ -90,25 +92,16 @@ class Scheduler:
     `waiting` requests hold none; `requests` maps the id of every unfinished request.
     """
 
-    def __init__(self, kv_cache_manager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int, long_prefill_token_threshold: int = 0):
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
-                            ("max_model_len", max_model_len), ("block_size", block_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if getattr(kv_cache_manager, "block_size", block_size) != block_size:
-            raise ValueError(
-                f"block_size={block_size} differs from the KV cache manager's {kv_cache_manager.block_size}; "
-                f"pass the same block_size to both"
-            )
-        if not isinstance(long_prefill_token_threshold, int) or long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold={long_prefill_token_threshold!r} must be >= 0 (0 = off)")
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        if config.max_model_len != kv_cache_manager.max_model_len:
+            raise ValueError(f"the scheduler's max_model_len={config.max_model_len} differs from the KV cache's "
+                             f"{kv_cache_manager.max_model_len}; resolve both from one EngineConfig")
+        self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -120,29 +113,11 @@ class Scheduler:
         self.peak_kv_cache_usage = 0.0
 
     # admission
-    def check_request_fits(self, request: Request) -> None:
-        """Raises ValueError for a request that could never run, even alone in the pool."""
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use; give each request a unique id")
-        if request.num_prompt_tokens > self.max_model_len:
-            raise ValueError(
-                f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} tokens, more than "
-                f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
-            )
-        # The last sampled token is never computed, so its slot is never needed.
-        max_slots = min(request.num_prompt_tokens + request.max_tokens - 1, self.max_model_len)
-        need = -(-max_slots // self.block_size)
-        usable = len(self.kv_cache_manager.block_pool.blocks) - 1  # block 0 is the null block
-        if need > usable:
-            raise ValueError(
-                f"request {request.request_id!r} may need {need} KV blocks ({max_slots} tokens at block_size="
-                f"{self.block_size}) but the whole pool has {usable}; lower max_tokens, shorten the prompt or "
-                f"give the cache more blocks"
-            )
-
     def add_request(self, request: Request) -> None:
         """Queues a request (FCFS). ValueError if it is a duplicate or could never fit."""
-        self.check_request_fits(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use; give each request a unique id")
+        self.kv_cache_manager.check_request(request)
         assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0, (
             f"{request!r} was already scheduled elsewhere: a request object is single use"
         )

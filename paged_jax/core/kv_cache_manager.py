@@ -9,23 +9,26 @@ and the scheduler decides (wait, or preempt someone). Imports no jax.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from paged_jax.block_pool import BlockPool
-from paged_jax.hashing import BlockHasher, get_hash_fn_by_name
-from paged_jax.kv_cache_block import KVCacheBlock
-from paged_jax.request import Request
+from paged_jax.core.block_pool import BlockPool
+from paged_jax.core.config import CacheConfig
+from paged_jax.core.hashing import BlockHasher, get_hash_fn_by_name, make_none_hash
+from paged_jax.core.kv_cache_block import KVCacheBlock
+from paged_jax.core.request import Request
 
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache lookups since the last make_prefix_cache_stats() (vLLM's PrefixCacheStats).
+    """Prefix-cache lookups since the manager was created (vLLM's PrefixCacheStats, cumulative).
 
     Lookups of preempted requests (resuming with most of their own blocks) are counted
-    apart, so they do not inflate the hit rate of fresh requests.
+    apart, so they do not inflate the hit rate of fresh requests. Reading them changes
+    nothing; a caller that wants intervals subtracts two snapshots (`copy()`).
     """
 
-    reset: bool = False  # the cache was reset in this interval
+    num_resets: int = 0  # reset_prefix_cache() calls that succeeded
     requests: int = 0
     queries: int = 0  # tokens looked up
     hits: int = 0  # tokens found
@@ -43,62 +46,68 @@ class PrefixCacheStats:
             self.queries += num_tokens
             self.hits += num_hits
 
+    def copy(self) -> PrefixCacheStats:
+        return dataclasses.replace(self)
+
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
-
-
-def _is_power_of_two(n) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
 
 
 class KVCacheManager:
     """Block tables of all live requests over one BlockPool.
 
     Args:
-      num_blocks: blocks in the cache, including the null block 0 (num_blocks - 1 usable).
-      block_size: tokens per block (a power of two).
-      max_model_len: longest sequence (prompt + output) a request may reach; slots beyond
-        it are never allocated.
-      enable_caching: reuse full blocks across requests via their chain hashes.
-      hash_algo: "sha256" (canonical CBOR, default) or "xxhash" (xxh3-128).
+      config: the resolved CacheConfig (block_size, num_blocks incl. the null block 0,
+        max_model_len, enable_prefix_caching, hash_algo, hash_seed).
 
     State: req_to_blocks[request_id] is the request's block table (append-only while it
     lives); num_cached_block[request_id] counts its leading blocks already in the cache.
+    The root of this manager's hash chains is its own (block_hasher.none_hash, from
+    config.hash_seed): two managers share prefixes only when they share the seed.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, max_model_len: int,
-                 enable_caching: bool = True, hash_algo: str = "sha256"):
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 2:
-            raise ValueError(
-                f"num_blocks={num_blocks!r} must be an int >= 2 (block 0 is the null block); give the cache more blocks"
-            )
-        if not _is_power_of_two(block_size):
-            raise ValueError(f"block_size={block_size!r} must be a power of two (e.g. 16)")
-        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 1:
-            raise ValueError(f"max_model_len={max_model_len!r} must be an int >= 1")
-        self.hash_fn = get_hash_fn_by_name(hash_algo)
-        self.hash_algo = hash_algo
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.enable_caching = bool(enable_caching)
-        self.max_num_blocks_per_req = -(-max_model_len // block_size)
-        self.block_pool = BlockPool(num_blocks, self.enable_caching)
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.enable_caching = config.enable_prefix_caching
+        self.block_pool = BlockPool(config.num_blocks, self.enable_caching)
+        hash_fn = get_hash_fn_by_name(config.hash_algo)
         # Attached to every request this manager sees; with caching off it hashes nothing.
-        self.block_hasher = BlockHasher(block_size, self.hash_fn, enabled=self.enable_caching)
+        self.block_hasher = BlockHasher(self.block_size, hash_fn, make_none_hash(hash_fn, config.hash_seed),
+                                        enabled=self.enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
 
     # ------------------------------------------------------------------ admission
-    def _admit(self, request: Request) -> None:
-        """Checks and hasher set-up for a request reaching the manager (cheap to repeat)."""
+    def _check_prompt_len(self, request: Request) -> None:
         if request.num_prompt_tokens > self.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens, more than "
                 f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
             )
+
+    def check_request(self, request: Request) -> None:
+        """Raises ValueError for a request that could never run, even alone in the pool: a
+        prompt past max_model_len, or more blocks than the whole pool has (the scheduler
+        asks before queueing it)."""
+        self._check_prompt_len(request)
+        # The last sampled token is never computed, so its slot is never needed.
+        max_slots = min(request.num_prompt_tokens + request.max_tokens - 1, self.max_model_len)
+        need = -(-max_slots // self.block_size)
+        usable = self.config.num_usable_blocks
+        if need > usable:
+            raise ValueError(
+                f"request {request.request_id!r} may need {need} KV blocks ({max_slots} tokens at block_size="
+                f"{self.block_size}) but the whole pool has {usable}; lower max_tokens, shorten the prompt or "
+                f"give the cache more blocks"
+            )
+
+    def _admit(self, request: Request) -> None:
+        """Checks and hasher set-up for a request reaching the manager (cheap to repeat)."""
+        self._check_prompt_len(request)
         hasher = request.block_hasher
         if hasher is self.block_hasher:
             return
@@ -236,11 +245,7 @@ class KVCacheManager:
     def _check_computed_blocks(self, request: Request, req_blocks, new_computed_blocks) -> list[KVCacheBlock]:
         if new_computed_blocks is None:
             return []
-        # A vLLM KVCacheBlocks (one group) also works: take its block list.
-        blocks = getattr(new_computed_blocks, "blocks", new_computed_blocks)
-        if isinstance(blocks, tuple) and blocks and isinstance(blocks[0], list):
-            blocks = blocks[0]
-        blocks = list(blocks)
+        blocks = list(new_computed_blocks)
         if blocks and not self.enable_caching:
             raise ValueError("new_computed_blocks given but prefix caching is disabled; pass None")
         if blocks and req_blocks:
@@ -266,7 +271,7 @@ class KVCacheManager:
         """Forget all cached hashes; False while any request holds blocks."""
         if not self.block_pool.reset_prefix_cache():
             return False
-        self.prefix_cache_stats.reset = True
+        self.prefix_cache_stats.num_resets += 1
         return True
 
     # ------------------------------------------------------------------ queries
@@ -284,11 +289,6 @@ class KVCacheManager:
     def usage(self) -> float:
         """Fraction of usable blocks in use (0.0 .. 1.0)."""
         return self.block_pool.get_usage()
-
-    def make_prefix_cache_stats(self) -> PrefixCacheStats:
-        """Stats since the last call; starts a new interval."""
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
-        return stats
 
     def check_invariants(self, requests: dict[str, Request] | None = None) -> None:
         """Assert the pool's invariants plus the manager's; messages name the bug.

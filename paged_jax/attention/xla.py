@@ -1,4 +1,7 @@
-"""Ragged paged attention in plain XLA (impl="xla"): the fast CPU path.
+"""Ragged paged attention in plain XLA: the fast CPU path (and a GPU fallback).
+
+Same contract as the Pallas kernel (pallas_kernels/paged_attention.py), whose
+`ragged_paged_attention_reference` is the reference of both.
 
 The query tokens of every sequence are cut into query blocks, one sequence per block, so a
 block gathers its sequence's pages once for all its rows and all query heads of a KV group.
@@ -25,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.ragged_batch import cdiv, query_blocks, ragged_batch
+from pallas_kernels.ragged_batch import (cdiv, check_ragged_args, max_prefill_blocks, query_blocks, ragged_batch,
+                                         split_decodes_and_prefills)
 
 # Finite, so a row with every key masked (a padding row) gives a finite output, not NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -140,19 +144,39 @@ def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_sca
     return run_groups(out, num_full_groups * group_blocks, num_real_blocks % group_blocks, 1)
 
 
-def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, sm_scale):
-    """Gather-based ragged paged attention; arguments as in `ragged_paged_attention`."""
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
+                               sm_scale=None):
+    """Causal attention of a ragged batch of query tokens over paged K/V, gather-based.
+
+    Args:
+      q: [num_tokens, num_q_heads, head_dim]; sequence i owns rows
+        query_start_loc[i]:query_start_loc[i + 1]; rows past query_start_loc[num_seqs] are padding.
+      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype.
+      block_tables: i32[max_num_seqs, max_blocks_per_seq], padded with the null page 0.
+      seq_lens: i32[max_num_seqs], context length INCLUDING this step's query tokens; 0 when padded.
+      query_start_loc: i32[max_num_seqs + 1].
+      num_seqs: i32 scalar or i32[1], the number of real sequences.
+      sm_scale: softmax scale, default 1/sqrt(head_dim).
+
+    Returns:
+      [num_tokens, num_q_heads, head_dim] in q.dtype; padding rows are zero.
+    """
+    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
+    if sm_scale is None:
+        sm_scale = q.shape[-1] ** -0.5
     num_tokens = q.shape[0]
     max_num_seqs = block_tables.shape[0]
-    batch = ragged_batch(seq_lens, query_start_loc, num_seqs)
+    batch = ragged_batch(seq_lens, query_start_loc, jnp.reshape(num_seqs, ()))
+    split = split_decodes_and_prefills(batch)
     attend = functools.partial(_attend_blocks, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                                batch=batch, sm_scale=sm_scale)
     out = jnp.zeros(q.shape, q.dtype)  # padding rows stay zero
     # decode: one single-row block per decoding sequence
-    out = attend(out, q_lens=jnp.where(batch.q_lens == 1, 1, 0), block_q=1, num_blocks=max_num_seqs,
+    out = attend(out, q_lens=split.decode_q_lens, block_q=1, num_blocks=max_num_seqs,
                  group_blocks=min(DECODE_GROUP, max_num_seqs))
-    # prefill chunks: each sequence of >= 2 tokens wastes at most one partial block
+    # prefill chunks
     block_q = min(PREFILL_QUERY_BLOCK, num_tokens)
-    num_blocks = cdiv(num_tokens, block_q) + min(max_num_seqs, num_tokens // 2)
-    return attend(out, q_lens=jnp.where(batch.q_lens >= 2, batch.q_lens, 0), block_q=block_q,
-                  num_blocks=num_blocks, group_blocks=min(PREFILL_GROUP, num_blocks))
+    num_blocks = max_prefill_blocks(num_tokens, max_num_seqs, block_q)
+    return attend(out, q_lens=split.prefill_q_lens, block_q=block_q, num_blocks=num_blocks,
+                  group_blocks=min(PREFILL_GROUP, num_blocks))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from paged_jax.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
+from paged_jax.core.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 
 
 class BlockHashToBlockMap:
@@ -101,10 +101,8 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True):
-        if not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(
-                f"num_blocks={num_blocks!r} must be an int >= 2 (block 0 is the null block); give the pool more blocks"
-            )
+        # CacheConfig validates the user's value; here a wrong one is a caller's bug.
+        assert num_blocks >= 2, f"{num_blocks=}: the pool needs the null block plus one (see CacheConfig)"
         self.num_gpu_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]

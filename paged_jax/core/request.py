@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
-    from paged_jax.hashing import BlockHasher
+    from paged_jax.core.hashing import BlockHasher
 
 
 class RequestStatus(enum.IntEnum):
@@ -230,7 +230,7 @@ class Request:
         """Attach the hasher that fills `block_hashes` and bring the hashes up to date.
 
         Hashes already computed are kept: the caller (KVCacheManager) only swaps in a hasher
-        with the same block size, hash function and NONE_HASH, or one for a request that has
+        with the same block size, hash function and chain root, or one for a request that has
         no hashes yet.
         """
         self.block_hasher = block_hasher

@@ -1,0 +1,143 @@
+"""CacheConfig and SchedulerConfig: the engine's sizes, resolved once and passed down.
+
+The engine turns the user's EngineConfig (where the pool size and max_model_len may be
+left open) into these two frozen records once, after the model is loaded; the KV cache
+manager, the scheduler, the step-input builder and the model runner all read their sizes
+from them instead of taking loose keywords. Each field is validated here, in
+__post_init__, and nowhere downstream (downstream code asserts, since a bad value there is
+a bug). The derived sizes (table width, shape buckets) are properties, computed in one
+place. Imports no jax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paged_jax.core.hashing import get_hash_fn_by_name
+
+# Smallest token / sequence buckets: below these, padding costs less than another compile.
+MIN_TOKEN_BUCKET = 16
+MIN_SEQ_BUCKET = 8
+
+
+def check_int(name: str, value, minimum: int, fix: str = "") -> None:
+    """ValueError unless value is an int (not a bool) >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}{'; ' + fix if fix else ''}")
+
+
+def check_power_of_two(name: str, value, fix: str = "16 is vLLM's default") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+        raise ValueError(f"{name}={value!r} must be a power of two ({fix})")
+
+
+def make_buckets(max_value: int, min_value: int = 1) -> list[int]:
+    """Powers of two from the first one >= min_value, capped by max_value (always the last).
+
+    make_buckets(100, 8) == [8, 16, 32, 64, 100]. Each bucket is one compiled shape, so the
+    count stays logarithmic while padding wastes at most half of a step.
+    """
+    check_int("max_value", max_value, 1)
+    check_int("min_value", min_value, 1)
+    if min_value > max_value:
+        raise ValueError(f"min_value={min_value} must be <= max_value={max_value}")
+    buckets, size = [], 1
+    while size < min_value:
+        size *= 2
+    while size < max_value:
+        buckets.append(size)
+        size *= 2
+    buckets.append(max_value)
+    return buckets
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache as the host sees it (the device layout is the model's cache spec).
+
+    Attributes:
+      block_size: tokens per block, a power of two.
+      num_blocks: blocks in the pool including the null block 0 (so >= 2).
+      max_model_len: longest sequence (prompt + output); slots past it are never allocated.
+      enable_prefix_caching: reuse full blocks across requests through their chain hashes.
+      hash_algo: "sha256" (canonical CBOR, default) or "xxhash" (xxh3-128).
+      hash_seed: seeds the root of every hash chain (NONE_HASH); None: PYTHONHASHSEED if set,
+        else random, so another tenant cannot predict our chains. Fix it to share chains
+        across processes (a persistent tier, replicas routed by prefix).
+    """
+
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    enable_prefix_caching: bool = True
+    hash_algo: str = "sha256"
+    hash_seed: int | str | None = None
+
+    def __post_init__(self):
+        check_power_of_two("block_size", self.block_size)
+        check_int("num_blocks", self.num_blocks, 2, "block 0 is the null block; give the cache more blocks")
+        check_int("max_model_len", self.max_model_len, 1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
+        get_hash_fn_by_name(self.hash_algo)  # ValueError naming the known ones
+        if self.hash_seed is not None and (isinstance(self.hash_seed, bool)
+                                           or not isinstance(self.hash_seed, (int, str))):
+            raise ValueError(f"hash_seed={self.hash_seed!r} must be an int, a str or None")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of every block table: cdiv(max_model_len, block_size)."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits, and the shape buckets they imply.
+
+    Attributes:
+      max_num_seqs: sequences in one step (and running at once).
+      max_num_batched_tokens: tokens in one step (the token budget).
+      max_model_len: as in CacheConfig.
+      long_prefill_token_threshold: cap on one request's tokens per step (0 = off).
+      min_token_bucket, min_seq_bucket: the smallest compiled token / sequence counts.
+    """
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    long_prefill_token_threshold: int = 0
+    min_token_bucket: int = MIN_TOKEN_BUCKET
+    min_seq_bucket: int = MIN_SEQ_BUCKET
+
+    def __post_init__(self):
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        check_int("max_model_len", self.max_model_len, 1)
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, "0 turns it off")
+        check_int("min_token_bucket", self.min_token_bucket, 1)
+        check_int("min_seq_bucket", self.min_seq_bucket, 1)
+
+    @property
+    def token_buckets(self) -> list[int]:
+        """Padded token counts a step can have (each one compiled shape)."""
+        return make_buckets(self.max_num_batched_tokens, min(self.min_token_bucket, self.max_num_batched_tokens))
+
+    @property
+    def seq_buckets(self) -> list[int]:
+        """Padded sequence counts a step can have."""
+        return make_buckets(self.max_num_seqs, min(self.min_seq_bucket, self.max_num_seqs))
+
+    def bucket_shapes(self) -> list[tuple[int, int]]:
+        """Every (token bucket, sequence bucket) a step can land in: a step of t tokens has
+        between 1 and min(t, max_num_seqs) sequences."""
+        seq_buckets = self.seq_buckets
+        shapes = []
+        for t in self.token_buckets:
+            most = min(t, seq_buckets[-1])
+            top = next(s for s in seq_buckets if s >= most)
+            shapes += [(t, s) for s in seq_buckets if s <= top]
+        return shapes
