@@ -1,8 +1,8 @@
 """LlamaConfig: the shapes and numerics of a Llama-family decoder (presets + HF config.json).
 
-The config describes the model only. How attention runs (impl="xla" or "pallas", Pallas
-interpret mode) is a property of the platform, so the engine passes it at call time and the
-same loaded weights run on either path.
+The config describes the model only. How attention runs (the XLA path or the Pallas kernel)
+is a property of the platform: the runner builds an attention backend and passes it to the
+forward, so the same loaded weights run on either path.
 """
 
 from __future__ import annotations

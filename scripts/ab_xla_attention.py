@@ -1,5 +1,5 @@
-"""A/B of the XLA attention path: this tree's pallas_kernels/paged_attention_xla.py against
-the same file at another commit, both jitted in one process on the same data.
+"""A/B of the XLA attention path: this tree's paged_jax/attention/xla.py against the same
+file at another commit (pallas_kernels/paged_attention_xla.py before it moved), both jitted in one process on the same data.
 
 Shapes are the throughput benchmark model's (8 query / 2 KV heads, head_dim 64, block 16,
 2176 blocks); a case of n sequences gets the engine's sequence bucket (8, 16, 32 or 64
@@ -29,12 +29,20 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import pallas_kernels.paged_attention_xla as current  # noqa: E402
+import paged_jax.attention.xla as current  # noqa: E402
+
+# Where the XLA path lived: first the current place, then the one before the move.
+XLA_PATHS = ("paged_jax/attention/xla.py", "pallas_kernels/paged_attention_xla.py")
 
 
 def load_at(rev: str):
-    source = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:pallas_kernels/paged_attention_xla.py"],
-                            check=True, capture_output=True, text=True).stdout
+    for rel in XLA_PATHS:
+        shown = subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{rel}"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            source = shown.stdout
+            break
+    else:
+        sys.exit(f"{rev} has none of {XLA_PATHS}")
     path = os.path.join(tempfile.mkdtemp(), "paged_attention_xla_at_rev.py")
     with open(path, "w") as f:
         f.write(source)
@@ -78,7 +86,7 @@ def main() -> int:
         def run(q, tables, lens, qsl, num_seqs):
             out = jnp.zeros_like(q)
             for k_cache, v_cache in zip(k_caches, v_caches):
-                out = out + attention(q, k_cache, v_cache, tables, lens, qsl, num_seqs, head_dim ** -0.5)
+                out = out + attention(q, k_cache, v_cache, tables, lens, qsl, num_seqs, sm_scale=head_dim ** -0.5)
             return out
         return jax.jit(run)
 

@@ -1,4 +1,4 @@
-"""CPU benchmark: paged attention (impl="xla") vs attention over a contiguous cache.
+"""CPU benchmark: paged attention (the XLA path) vs attention over a contiguous cache.
 
 Same sizes on both sides: decode (32 sequences x 1024 context, one query token each) and a
 512-token prefill. The contiguous baseline keeps each sequence's K/V back to back in
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.paged_attention import ragged_paged_attention
+from paged_jax.attention.xla import ragged_paged_attention_xla
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16  # Llama-3.2-1B attention
 MASK_VALUE = -1e30
@@ -96,11 +96,11 @@ def run_case(name, q_lens, seq_lens, context, max_blocks_per_seq, repeats, rng):
     contiguous_args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(np.asarray(seq_lens, np.int32)))
     paged_args = paged_inputs(rng, q_lens, seq_lens, max_blocks_per_seq, k, v, q)
     expected = np.asarray(contiguous_attention(*contiguous_args))
-    got = np.asarray(ragged_paged_attention(*paged_args, impl="xla"))
+    got = np.asarray(ragged_paged_attention_xla(*paged_args))
     np.testing.assert_allclose(got, expected.reshape(got.shape), atol=1e-4, rtol=1e-4)  # same attention
     # The same xla path over consecutive pages separates the cost of paging from the algorithm.
     consecutive_args = paged_inputs(rng, q_lens, seq_lens, max_blocks_per_seq, k, v, q, permute=False)
-    paged = jax.jit(functools.partial(ragged_paged_attention, impl="xla"))
+    paged = ragged_paged_attention_xla
     contiguous_ms, paged_ms, consecutive_ms = time_ms(
         [(contiguous_attention, contiguous_args), (paged, paged_args), (paged, consecutive_args)], repeats)
     return dict(case=name, num_seqs=num_seqs, query_tokens=int(sum(q_lens)), context=context,

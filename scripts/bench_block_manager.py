@@ -25,6 +25,7 @@ import statistics
 import sys
 import time
 
+from paged_jax.core.config import CacheConfig
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request
 
@@ -48,7 +49,7 @@ def make_prompts(seed: int) -> list[list[int]]:
 def run_trace(prompts, hash_algo: str, timed: bool) -> dict:
     """One pass over the trace; with timed=True, per-call timings in microseconds."""
     clock = time.perf_counter_ns
-    mgr = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN, hash_algo=hash_algo)
+    mgr = KVCacheManager(CacheConfig(BLOCK_SIZE, NUM_BLOCKS, MAX_MODEL_LEN, hash_algo=hash_algo))
     hasher = mgr.block_hasher
     decode_us, prefill_us, free_us, hash_us_per_block = [], [], [], []
     next_token = 7
@@ -89,7 +90,7 @@ def run_trace(prompts, hash_algo: str, timed: bool) -> dict:
     wall_s = time.perf_counter() - t_start
     mgr.check_invariants()
     assert mgr.get_num_free_blocks() == NUM_BLOCKS - 1, "blocks leaked at the end of the trace"
-    stats = mgr.make_prefix_cache_stats()
+    stats = mgr.prefix_cache_stats
     out = {"wall_s": wall_s, "hit_rate": stats.hits / stats.queries}
     if timed:
         out.update(

@@ -54,19 +54,19 @@ def _is_decode_step(out) -> bool:
 
 def host_path(steps: int, warmup: int, seed: int) -> dict[str, list[float]]:
     """schedule / build / update timings (microseconds) of `steps` all-decode steps."""
-    from paged_jax.core.batch import StepInputsBuilder, make_buckets
+    from paged_jax.core.batch import StepInputsBuilder
+    from paged_jax.core.config import CacheConfig, SchedulerConfig
     from paged_jax.core.kv_cache_manager import KVCacheManager
     from paged_jax.core.request import Request
     from paged_jax.core.scheduler import Scheduler
 
     rng = np.random.default_rng(seed)
     prompts, params = make_requests(32000, rng, steps + warmup + 50)
-    kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, MAX_MODEL_LEN)
-    sched = Scheduler(kv, NUM_SEQS, PREFILL_BUDGET, MAX_MODEL_LEN, BLOCK_SIZE)
-    # The engine's buckets for these limits (runner.MIN_TOKEN_BUCKET / MIN_SEQ_BUCKET).
-    builder = StepInputsBuilder(block_size=BLOCK_SIZE, max_blocks_per_seq=MAX_MODEL_LEN // BLOCK_SIZE,
-                                token_buckets=make_buckets(PREFILL_BUDGET, 16),
-                                seq_buckets=make_buckets(NUM_SEQS, 8), seed=seed)
+    cache_config = CacheConfig(BLOCK_SIZE, NUM_BLOCKS, MAX_MODEL_LEN)
+    scheduler_config = SchedulerConfig(NUM_SEQS, PREFILL_BUDGET, MAX_MODEL_LEN)  # the engine's buckets
+    kv = KVCacheManager(cache_config)
+    sched = Scheduler(scheduler_config, kv)
+    builder = StepInputsBuilder(cache_config, scheduler_config, seed=seed)
     for i, prompt in enumerate(prompts):
         sched.add_request(Request(f"r{i}", prompt, params))
     times = {"schedule": [], "build": [], "update": [], "total": []}
@@ -110,7 +110,7 @@ def engine_step(steps: int, warmup: int, seed: int) -> dict[str, list[float]]:
 
     def fake_execute(inputs):
         # The jitted call's contract: i32[S] tokens and f32[S] logprobs on the host.
-        s = inputs.block_tables.shape[0]
+        s = inputs.attention.block_tables.shape[0]
         return rng.integers(3, vocab, s, dtype=np.int32), np.zeros(s, np.float32)
 
     engine.runner.execute = fake_execute

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from _bench_common import command_line, machine_info, print_table, write_json
+from paged_jax.core.config import CacheConfig, SchedulerConfig
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, SamplingParams
 from paged_jax.core.scheduler import Scheduler
@@ -59,8 +60,8 @@ def simulate(prompts: list[list[int]], outputs: np.ndarray, *, block_size: int, 
              max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> dict:
     """Runs the workload to completion; returns per-run aggregates."""
     num_blocks = budget_tokens // block_size + 1  # + the null block, which holds no tokens
-    kv = KVCacheManager(num_blocks, block_size, max_model_len)
-    sched = Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, block_size)
+    kv = KVCacheManager(CacheConfig(block_size, num_blocks, max_model_len))
+    sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), kv)
     for i, (prompt, out_len) in enumerate(zip(prompts, outputs)):
         params = SamplingParams(max_tokens=int(out_len), temperature=0.0, ignore_eos=True)
         sched.add_request(Request(f"r{i}", prompt, params))
@@ -88,7 +89,7 @@ def simulate(prompts: list[list[int]], outputs: np.ndarray, *, block_size: int, 
         scheduled_tokens += out.total_num_scheduled_tokens
         steps += 1
     wall = time.perf_counter() - t0
-    stats = kv.make_prefix_cache_stats()
+    stats = kv.prefix_cache_stats
     assert stats.hits == 0, "random prompts shared a cached block: live tokens would be double counted"
     assert kv.get_num_free_blocks() == usable, "blocks leaked"
     return {

@@ -6,7 +6,7 @@ block_size 16, bf16, for this kernel (best of a small sweep of its PallasConfig)
 own pallas.ops.gpu.paged_attention (best of k_splits x pages_per_compute_block), the same
 kernel over a contiguous cache (identity block tables), and XLA attention over a
 contiguous [seqs, context, heads, dim] cache; prefill of a 512-token chunk on 4096 cached
-tokens in TFLOP/s. Every variant's output is checked against impl="xla" on the same data.
+tokens in TFLOP/s. Every variant's output is checked against the XLA path on the same data.
 
     python scripts/gpu_bench_attention.py [--dry-run] [--out DIR] [--budget-s 300]
 
@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.attention.xla import ragged_paged_attention_xla
 from pallas_kernels.paged_attention import PallasConfig, ragged_paged_attention
 
 FULL = dict(num_seqs=64, context=4096, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
@@ -49,7 +50,7 @@ class Bench:
     def ours(self, config):
         if config not in self.compiled:
             self.compiled[config] = jax.jit(functools.partial(
-                ragged_paged_attention, impl="pallas", interpret=self.interpret, config=config))
+                ragged_paged_attention, interpret=self.interpret, config=config))
         return self.compiled[config]
 
     def time_s(self, fn, *args):
@@ -114,7 +115,7 @@ class Bench:
         s = self.shape
         batch = self.paged_batch([1] * len(seq_lens), seq_lens, s["context"])
         kv_bytes = 2 * sum(seq_lens) * s["num_kv_heads"] * s["head_dim"] * 2  # K and V, bf16, tokens actually read
-        expected = ragged_paged_attention(*batch, impl="xla")
+        expected = ragged_paged_attention_xla(*batch)
 
         def row(variant, seconds, out, **extra):
             gbs = kv_bytes / seconds / 1e9
@@ -143,7 +144,7 @@ class Bench:
         # the same kernel over consecutive pages: what paging costs
         contig = self.paged_batch([1] * len(seq_lens), seq_lens, s["context"], contiguous_pages=True)
         contig = (batch[0],) + contig[1:]
-        contig_expected = ragged_paged_attention(*contig, impl="xla")
+        contig_expected = ragged_paged_attention_xla(*contig)
         fn = self.ours(best[1])
         seconds = self.time_s(fn, *contig)
         self.add(case=name, variant="same kernel, contiguous pages", us=round(seconds * 1e6, 1),
@@ -211,7 +212,7 @@ class Bench:
         batch = self.paged_batch([chunk] * num_seqs, [cached + chunk] * num_seqs, cached + chunk)
         # causal pairs: query j of the chunk sees cached + j + 1 keys; 2 matmuls x 2 flops per MAC
         flops = num_seqs * s["num_q_heads"] * s["head_dim"] * 4 * sum(cached + j + 1 for j in range(chunk))
-        expected = ragged_paged_attention(*batch, impl="xla")
+        expected = ragged_paged_attention_xla(*batch)
         best = (math.inf, None)
         sweep1 = [dict(prefill_rows=r, prefill_block_k=bk) for r, bk in itertools.product((64, 128), (32, 64, 128))]
         for params in (sweep1[:1] if self.dry else sweep1) if sweep else []:

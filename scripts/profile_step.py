@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import gzip
 import json
@@ -25,27 +26,37 @@ import numpy as np
 
 from _bench_common import bench_model_dir
 
-import pallas_kernels.paged_attention as paged_attention
 from models.loader import load_hf_checkpoint
-from paged_jax.core.batch import StepInputs
+from paged_jax.attention import XlaAttention
+from paged_jax.core.config import CacheConfig, SchedulerConfig
+from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
 from paged_jax.runner import ModelRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class KVWriteOnly(XlaAttention):
+    """The XLA backend's KV write with the attention replaced by the identity: the rest of the step."""
+
+    def _attend(self, q, *args, sm_scale):
+        return q
 
 
 def decode_inputs(runner: ModelRunner, num_seqs: int, context: tuple[int, int], rng) -> StepInputs:
     """One decode token per sequence; the last token of each context is this step's."""
     t = next(b for b in runner.token_buckets if b >= num_seqs)
     s = next(b for b in runner.seq_buckets if b >= num_seqs)
-    bs = runner.block_size
+    bs = runner.cache_config.block_size
     seq_lens = np.zeros(s, np.int32)
     seq_lens[:num_seqs] = rng.integers(*context, num_seqs)
-    tables = np.zeros((s, runner.max_blocks_per_seq), np.int32)
+    tables = np.zeros((s, runner.cache_config.max_blocks_per_seq), np.int32)
     next_block = 1
     for i in rng.permutation(num_seqs):
         pages = -(-int(seq_lens[i]) // bs)
         tables[i, :pages] = np.arange(next_block, next_block + pages)
         next_block += pages
     if next_block > runner.num_blocks:
-        sys.exit(f"{num_seqs} sequences of {context} keys need {next_block} blocks; the pool has {runner.num_blocks}")
+        sys.exit(f"{num_seqs} sequences of {context} keys need {next_block} blocks; the pool has "
+                 f"{runner.num_blocks}")
     positions = np.zeros(t, np.int32)
     positions[:num_seqs] = seq_lens[:num_seqs] - 1
     slots = np.zeros(t, np.int32)
@@ -55,11 +66,12 @@ def decode_inputs(runner: ModelRunner, num_seqs: int, context: tuple[int, int], 
     logits_indices = np.zeros(s, np.int32)
     logits_indices[:num_seqs] = np.arange(num_seqs)
     return StepInputs(
-        token_ids=rng.integers(3, 32000, t).astype(np.int32), positions=positions, slot_mapping=slots,
-        block_tables=tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
-        num_seqs=np.array([num_seqs], np.int32), logits_indices=logits_indices,
-        temperature=np.zeros(s, np.float32), top_k=np.full(s, -1, np.int32), top_p=np.ones(s, np.float32),
-        rng_keys=np.zeros((s, 2), np.uint32))
+        ModelInputs(token_ids=rng.integers(3, 32000, t).astype(np.int32), positions=positions,
+                    logits_indices=logits_indices),
+        AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
+                          query_start_loc=query_start_loc, num_seqs=np.array([num_seqs], np.int32)),
+        SamplingMetadata(temperature=np.zeros(s, np.float32), top_k=np.full(s, -1, np.int32),
+                         top_p=np.ones(s, np.float32), rng_keys=np.zeros((s, 2), np.uint32)))
 
 
 def median_ms(runner: ModelRunner, inputs: StepInputs, repeats: int = 15) -> float:
@@ -101,22 +113,19 @@ def main() -> int:
     args = parser.parse_args()
     with bench_model_dir(None) as model_dir:
         model = load_hf_checkpoint(model_dir, dtype="float32")
-    geometry = dict(num_blocks=2176, block_size=16, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024)
-    runner = ModelRunner(model, **geometry)
+    geometry = (CacheConfig(block_size=16, num_blocks=2176, max_model_len=2048),
+                SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=2048))
+    runner = ModelRunner(model, *geometry)
     inputs = decode_inputs(runner, args.seqs, tuple(args.context), np.random.default_rng(0))
-    # First the step with attention replaced by the identity (the KV write stays): the rest of
-    # the model. jax caches the inner jitted attention's trace, so the caches are cleared
-    # before the real step is traced.
-    attention = paged_attention.ragged_paged_attention_xla
-    paged_attention.ragged_paged_attention_xla = lambda q, *args, **kwargs: q
-    try:
-        rest_ms = median_ms(ModelRunner(model, **geometry), inputs)
-    finally:
-        paged_attention.ragged_paged_attention_xla = attention
-        jax.clear_caches()
+    # The same step with attention replaced by the identity (the KV write stays): the rest of
+    # the model.
+    without_attention = ModelRunner(model, *geometry)
+    without_attention.attention = KVWriteOnly(without_attention.attention.spec)
+    rest_ms = median_ms(without_attention, inputs)
+    del without_attention
     step_ms = median_ms(runner, inputs)
     thunks = top_thunks(runner, inputs)
-    bucket = (len(inputs.token_ids), len(inputs.seq_lens))
+    bucket = (len(inputs.model.token_ids), len(inputs.attention.seq_lens))
     print(f"decode step, {args.seqs} sequences of {args.context[0]}-{args.context[1]} keys, bucket {bucket}, "
           f"jax {jax.__version__}")
     print(f"  whole step            {step_ms:7.1f} ms")

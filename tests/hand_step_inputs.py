@@ -6,7 +6,7 @@ test imports the other).
 
 import numpy as np
 
-from paged_jax.core.batch import StepInputs
+from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
 
 
 def hand_step_inputs(chunks, block_size, width, token_bucket, seq_bucket):
@@ -34,7 +34,10 @@ def hand_step_inputs(chunks, block_size, width, token_bucket, seq_bucket):
         return np.array(xs + [fill] * (n - len(xs)), np.int32)
 
     return StepInputs(
-        token_ids=pad(token_ids, token_bucket), positions=pad(positions, token_bucket),
-        slot_mapping=pad(slots, token_bucket), block_tables=block_tables,
-        seq_lens=pad(seq_lens, seq_bucket), query_start_loc=pad(qsl, seq_bucket + 1, fill=num_tokens),
-        num_seqs=np.array([num_seqs], np.int32), logits_indices=pad(logits_indices, seq_bucket))
+        ModelInputs(token_ids=pad(token_ids, token_bucket), positions=pad(positions, token_bucket),
+                    logits_indices=pad(logits_indices, seq_bucket)),
+        AttentionMetadata(slot_mapping=pad(slots, token_bucket), block_tables=block_tables,
+                          seq_lens=pad(seq_lens, seq_bucket), query_start_loc=pad(qsl, seq_bucket + 1, fill=num_tokens),
+                          num_seqs=np.array([num_seqs], np.int32)),
+        SamplingMetadata(temperature=np.zeros(seq_bucket, np.float32), top_k=np.full(seq_bucket, -1, np.int32),
+                         top_p=np.ones(seq_bucket, np.float32), rng_keys=np.zeros((seq_bucket, 2), np.uint32)))

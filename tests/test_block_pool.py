@@ -33,7 +33,7 @@ def test_null_block_is_taken_at_start():
     assert queue(pool) == list(range(1, 11)) and pool.null_block.ref_cnt == 0
     pool.check_invariants()
     # The user's value is checked once, in CacheConfig; the pool asserts what it was given.
-    with pytest.raises(ValueError, match="num_blocks=1 must be an int >= 2; block 0 is the null block"):
+    with pytest.raises(ValueError, match="num_blocks=1 must be >= 2: block 0 is the null block"):
         CacheConfig(block_size=16, num_blocks=1, max_model_len=64)
     with pytest.raises(AssertionError, match="null block plus one"):
         BlockPool(1)

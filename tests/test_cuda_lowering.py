@@ -34,7 +34,7 @@ def lower_for_cuda(fn, *args):
 @pytest.mark.parametrize("config", [None, PallasConfig(decode_num_splits=1, prefill_rows=128, prefill_block_k=128)],
                          ids=["default", "alt"])
 def test_pallas_attention_lowers_for_cuda(num_q_heads, num_kv_heads, dtype, config):
-    fn = functools.partial(ragged_paged_attention, impl="pallas", config=config)
+    fn = functools.partial(ragged_paged_attention, config=config)
     text = lower_for_cuda(fn, *attention_args(num_q_heads, num_kv_heads, dtype))
     # Two Triton launches: decode items and prefill query blocks.
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, "expected the decode and the prefill kernel"

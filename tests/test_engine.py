@@ -178,7 +178,7 @@ def test_abort_everything_mid_run_frees_every_block(reference):
         engine.add_request(f"abort-all-{i}", p, greedy_params(20))
     for _ in range(5):
         engine.step()
-    assert engine.kv_cache_manager.get_num_free_blocks() < engine.kv_cache_manager.num_blocks - 1
+    assert engine.kv_cache_manager.get_num_free_blocks() < engine.kv_cache_manager.config.num_usable_blocks
     for i in range(12):
         assert engine.abort_request(f"abort-all-{i}")
     assert engine.step() == []  # releases the aborted rows; nothing to run
@@ -248,7 +248,7 @@ def test_pallas_kernel_path_matches_dense_reference():
     config = EngineConfig(attention_impl="pallas", interpret=True, max_num_seqs=8, max_num_batched_tokens=32,
                           max_model_len=max_model_len, warm_up=False)
     engine = LLMEngine(config, model=base.model, tokenizer=base.tokenizer)
-    assert engine.runner.max_blocks_per_seq == 13
+    assert engine.cache_config.max_blocks_per_seq == 13
     prompts, _ = make_prompts(seed=9, num=12)
     prompts = [p[:60] for p in prompts[:6]]  # 1..60 tokens: chunked at 32, mixed with decodes
     prompts.append(np.random.default_rng(9).integers(0, 512, max_model_len - 4).tolist())  # runs into the cap

@@ -18,7 +18,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="HF parity needs torch (pip install -e '.[hf]', the CPU build)")
 transformers = pytest.importorskip("transformers", reason="HF parity needs transformers (pip install -e '.[hf]')")
 
-from models.llama import init_kv_caches  # noqa: E402
+from models.kv_cache_spec import init_kv_caches  # noqa: E402
+from paged_jax.attention import make_attention_backend  # noqa: E402
 from models.loader import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from hand_step_inputs import hand_step_inputs  # noqa: E402
 
@@ -74,14 +75,16 @@ def paged_logits(model, ids, chunk_ends, block_size=8, num_blocks=24, seed=0):
     perm = rng.permutation(np.arange(1, num_blocks)).tolist()
     block_ids = [perm[b * blocks_per_seq:(b + 1) * blocks_per_seq] for b in range(ids.shape[0])]
     assert len(block_ids[-1]) == blocks_per_seq, "num_blocks too small for the test sequences"
-    step = jax.jit(lambda t, p, kv, inputs: model(t, p, kv, inputs, impl="xla"))
-    kv_caches = init_kv_caches(model.config, num_blocks, block_size)
+    specs = model.kv_cache_specs()
+    attention = make_attention_backend(specs[0], "xla")
+    step = jax.jit(lambda inputs, kv: model(inputs.model, kv, inputs.attention, attention))
+    kv_caches = init_kv_caches(specs, num_blocks, block_size)
     rows, start = [], 0
     for end in chunk_ends:
         chunks = [(row, blocks, start, end) for row, blocks in zip(ids, block_ids)]
         inputs = hand_step_inputs(chunks, block_size, width=blocks_per_seq + 1,
                                    token_bucket=-(-len(ids) * (end - start) // 16) * 16, seq_bucket=4)
-        logits, kv_caches = step(inputs.token_ids, inputs.positions, kv_caches, inputs)
+        logits, kv_caches = step(inputs, kv_caches)
         rows.append(np.asarray(logits)[:len(ids)])
         start = end
     return np.stack(rows)

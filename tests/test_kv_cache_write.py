@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.kv_cache_write import write_kv_cache, write_kv_cache_reference
-from pallas_kernels.paged_attention import ragged_paged_attention
+from models.kv_cache_spec import FullAttentionSpec
+from paged_jax.attention import make_attention_backend
+from paged_jax.core.step_inputs import AttentionMetadata
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM = 64, 16, 2, 64
 
@@ -79,11 +81,12 @@ def test_engine_step_shape_updates_in_place():
     seq_lens = jnp.asarray([40, 17, 1, 0], jnp.int32)
     query_start_loc = jnp.asarray([0, 5, 7, 8, 8], jnp.int32)
 
+    # The engine's attention backend: the KV write, then the XLA attention over the pages.
+    attention = make_attention_backend(FullAttentionSpec(NUM_KV_HEADS, HEAD_DIM, "float32"), "xla")
+
     def step(q, k, v, caches, slots):
-        k_cache, v_cache = write_kv_cache(k, v, *caches, slots)
-        out = ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, jnp.int32(3),
-                                     impl="xla")
-        return out, (k_cache, v_cache)
+        metadata = AttentionMetadata(slots, block_tables, seq_lens, query_start_loc, jnp.asarray([3], jnp.int32))
+        return attention(q, k, v, caches, metadata, sm_scale=HEAD_DIM ** -0.5)
 
     compiled = jax.jit(step, donate_argnums=(3,)).lower(q, k, v, (k_cache, v_cache), slots).compile()
     stats = compiled.memory_analysis()

@@ -16,9 +16,10 @@ import pytest
 from flax import nnx
 
 from models.layers import apply_rope, rope_inv_freq
-from models.llama import (Llama3RopeScaling, LlamaConfig, LlamaForCausalLM, init_kv_caches,
-                          kv_cache_bytes_per_block)
+from models.kv_cache_spec import FullAttentionSpec, init_kv_caches, kv_cache_bytes_per_token
+from models.llama import Llama3RopeScaling, LlamaConfig, LlamaForCausalLM
 from hand_step_inputs import hand_step_inputs
+from paged_jax.attention import make_attention_backend
 
 # ---------------------------------------------------------------- config
 
@@ -133,9 +134,11 @@ def run_paged_vs_dense(config, impl, *, block_size=4, num_blocks=20, token_bucke
     dense = {i: np.asarray(model.dense_forward(jnp.asarray(t)[None]))[0] for i, t in tokens.items()}
 
     # Pages nobody has written yet hold NaN: attention must mask by seq_len, not multiply by 0.
-    kv_caches = init_kv_caches(config, num_blocks, block_size)
+    specs = model.kv_cache_specs()
+    kv_caches = init_kv_caches(specs, num_blocks, block_size)
     kv_caches = [(k.at[1:].set(jnp.nan), v.at[1:].set(jnp.nan)) for k, v in kv_caches]
-    step = jax.jit(functools.partial(model, impl=impl, interpret=(impl == "pallas")))
+    attention = make_attention_backend(specs[0], impl, interpret=(impl == "pallas"))
+    step = jax.jit(lambda inputs, caches: model(inputs.model, caches, inputs.attention, attention))
 
     done = {i: 0 for i in SCHEDULE}
     num_steps = len(SCHEDULE[0][1])
@@ -146,7 +149,7 @@ def run_paged_vs_dense(config, impl, *, block_size=4, num_blocks=20, token_bucke
                 chunks.append((tokens[i], block_ids[i], done[i], ends[s]))
                 order.append(i)
         inputs = hand_step_inputs(chunks, block_size, width, token_bucket, seq_bucket)
-        logits, kv_caches = step(inputs.token_ids, inputs.positions, kv_caches, inputs)
+        logits, kv_caches = step(inputs, kv_caches)
         logits = np.asarray(logits)
         assert logits.shape == (seq_bucket, config.vocab_size) and logits.dtype == np.float32
         for row, i in enumerate(order):
@@ -191,30 +194,36 @@ def test_dense_forward_is_causal():
 
 def test_kv_cache_helpers():
     config = LlamaConfig.from_preset("tiny")
-    caches = init_kv_caches(config, num_blocks=10, block_size=16)
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    specs = model.kv_cache_specs()
+    assert specs == (FullAttentionSpec(num_kv_heads=2, head_dim=16, dtype="float32"),) * config.num_layers
+    caches = init_kv_caches(specs, num_blocks=10, block_size=16)
     assert len(caches) == config.num_layers
     assert caches[0][0].shape == (10, 16, 2, 16) and caches[0][0].dtype == jnp.float32
     total = sum(k.nbytes + v.nbytes for k, v in caches)
-    assert kv_cache_bytes_per_block(config, 16) * 10 == total
-    assert kv_cache_bytes_per_block(config, 16, dtype="bfloat16") * 2 == kv_cache_bytes_per_block(config, 16)
+    assert kv_cache_bytes_per_token(specs) * 16 * 10 == total
+    assert kv_cache_bytes_per_token(model.kv_cache_specs("bfloat16")) * 2 == kv_cache_bytes_per_token(specs)
     # Llama-3.1-8B in bf16: 32 layers * 2 (K, V) * 8 kv heads * 128 dims * 2 bytes = 128 KiB per token
-    assert kv_cache_bytes_per_block(LlamaConfig.from_preset("llama-3.1-8b"), 1) == 131072
-    with pytest.raises(ValueError, match="num_blocks"):
-        init_kv_caches(config, num_blocks=1, block_size=16)
+    big = nnx.eval_shape(lambda: LlamaForCausalLM(LlamaConfig.from_preset("llama-3.1-8b"), rngs=nnx.Rngs(0)))
+    assert kv_cache_bytes_per_token(big.kv_cache_specs()) == 131072
+    with pytest.raises(AssertionError, match="null block"):
+        init_kv_caches(specs, num_blocks=1, block_size=16)
 
 
 def test_step_with_donated_caches_updates_in_place():
     """jit(split/merge) with the caches donated: no cache-sized temporary, the inputs are consumed."""
     config = LlamaConfig.from_preset("tiny")
-    graphdef, state = nnx.split(LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
+    model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
+    attention = make_attention_backend(model.kv_cache_specs()[0], "xla")
+    graphdef, state = nnx.split(model)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(state, kv_caches, inputs):
         model = nnx.merge(graphdef, state)
-        return model(inputs.token_ids, inputs.positions, kv_caches, inputs, impl="xla")
+        return model(inputs.model, kv_caches, inputs.attention, attention)
 
     num_blocks, block_size = 512, 16
-    kv_caches = init_kv_caches(config, num_blocks, block_size)
+    kv_caches = init_kv_caches(model.kv_cache_specs(), num_blocks, block_size)
     cache_bytes = kv_caches[0][0].nbytes
     tokens = np.arange(5) + 3
     inputs = hand_step_inputs([(tokens, [7], 0, 5)], block_size, width=4, token_bucket=8, seq_bucket=2)
@@ -240,6 +249,6 @@ def test_wrong_number_of_caches_is_a_value_error():
     config = LlamaConfig.from_preset("tiny")
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
     inputs = hand_step_inputs([(np.arange(3), [1], 0, 3)], 4, 2, 4, 1)
-    caches = init_kv_caches(dataclasses.replace(config, num_layers=1), 4, 4)
-    with pytest.raises(ValueError, match="kv cache"):
-        model(inputs.token_ids, inputs.positions, caches, inputs)
+    caches = init_kv_caches(model.kv_cache_specs()[:1], 4, 4)
+    with pytest.raises(ValueError, match="got 1 layer caches for 2 layers"):
+        model(inputs.model, caches, inputs.attention, make_attention_backend(model.kv_cache_specs()[0], "xla"))

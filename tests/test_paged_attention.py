@@ -15,6 +15,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from models.kv_cache_spec import FullAttentionSpec
+from paged_jax.attention import PallasAttention, XlaAttention, make_attention_backend
+from paged_jax.attention.xla import ragged_paged_attention_xla
 from pallas_kernels.paged_attention import (
     PallasConfig,
     ragged_paged_attention,
@@ -22,6 +25,14 @@ from pallas_kernels.paged_attention import (
 )
 
 INTERPRET = jax.default_backend() == "cpu"
+
+
+def run_impl(impl, *args, config=None, **kwargs):
+    """One attention call: the XLA path, or the Pallas kernel (interpret mode on CPU)."""
+    if impl == "xla":
+        assert config is None, "PallasConfig is for the Pallas kernel"
+        return ragged_paged_attention_xla(*args, **kwargs)
+    return ragged_paged_attention(*args, interpret=INTERPRET, config=config, **kwargs)
 
 # Output tolerance vs the float64 numpy reference, per dtype. bf16 inputs are compared with
 # the same bf16-rounded values; the error left is the bf16 output and the bf16 probabilities
@@ -99,7 +110,7 @@ def check_batch(batch, dtype, impls=("xla", "pallas"), config=None, with_referen
         reference = np.asarray(ragged_paged_attention_reference(*args).astype(jnp.float32))
         np.testing.assert_allclose(reference[real], expected[real], **tol, err_msg="jnp reference vs float64")
     for impl in impls:
-        out = ragged_paged_attention(*args, impl=impl, interpret=INTERPRET, config=config)
+        out = run_impl(impl, *args, config=config)
         assert out.shape == q.shape and out.dtype == dtype
         out = np.asarray(out.astype(jnp.float32))
         # NaN pages must not leak anywhere, not even into padding rows.
@@ -247,11 +258,23 @@ def _replace(args, index, value):
     (_replace(_args(), 6, jnp.float32(1)), "xla", "num_seqs must be an int32"),
     (_args(block_size=24), "pallas", "block_size=24 must be a power of two"),
     (_args(head_dim=96), "pallas", "head_dim=96 must be a power of two"),
-    (_args(), "cuda", "impl='cuda' is not one of"),
 ])
 def test_bad_input_raises_with_fix(args, impl, match):
     with pytest.raises(ValueError, match=match):
-        ragged_paged_attention(*args, impl=impl, interpret=INTERPRET)
+        run_impl(impl, *args)
+
+
+def test_backend_is_chosen_once_for_a_spec():
+    spec = FullAttentionSpec(num_kv_heads=2, head_dim=64, dtype="float32")
+    assert make_attention_backend(spec, "xla") == XlaAttention(spec)
+    pallas = make_attention_backend(spec, "pallas", interpret=True)
+    assert isinstance(pallas, PallasAttention) and pallas.interpret and hash(pallas) == hash(pallas)
+    with pytest.raises(ValueError, match="attention_impl='cuda' must be one of"):
+        make_attention_backend(spec, "cuda")
+    with pytest.raises(ValueError, match="interpret and pallas_config apply to attention_impl='pallas' only"):
+        make_attention_backend(spec, "xla", interpret=True)
+    with pytest.raises(ValueError, match="no attention backend for a str"):
+        make_attention_backend("a latent cache", "xla")
 
 
 def test_xla_accepts_shapes_the_kernel_cannot_tile():
@@ -272,5 +295,5 @@ def test_jits_with_traced_num_seqs_and_custom_scale():
     args.append(jnp.asarray([num_seqs], jnp.int32))
     expected = ragged_paged_attention_reference(*args, sm_scale=0.3)
     for impl in ("xla", "pallas"):
-        step = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.3, impl=impl, interpret=INTERPRET))
+        step = jax.jit(functools.partial(run_impl, impl, sm_scale=0.3))
         np.testing.assert_allclose(np.asarray(step(*args))[:5], np.asarray(expected)[:5], atol=2e-5, rtol=2e-5)

@@ -17,7 +17,8 @@ import pytest
 from engine_reference import BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, get_engine, model, run_to_completion
 from models.llama import LlamaConfig
 from paged_jax import SamplingParams
-from paged_jax.runner import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, ModelRunner, num_blocks_for_budget
+from paged_jax.core.config import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, CacheConfig, SchedulerConfig
+from paged_jax.runner import ModelRunner, num_blocks_for_budget
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -36,6 +37,11 @@ def backend_compiles():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
+def make_runner(num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len=MAX_MODEL_LEN, **kwargs):
+    return ModelRunner(model(), CacheConfig(BLOCK_SIZE, num_blocks, max_model_len),
+                       SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), **kwargs)
+
+
 def _smallest_at_least(buckets, n):
     return buckets[bisect.bisect_left(buckets, n)]
 
@@ -43,8 +49,7 @@ def _smallest_at_least(buckets, n):
 @pytest.mark.parametrize("max_num_seqs,max_num_batched_tokens", [(8, 64), (16, 32), (5, 100), (64, 512), (1, 16),
                                                                  (3, 2), (40, 24)])
 def test_bucket_shapes_cover_every_reachable_step(max_num_seqs, max_num_batched_tokens):
-    runner = ModelRunner(model(), num_blocks=2, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    runner = make_runner(2, max_num_seqs, max_num_batched_tokens)
     shapes = runner.bucket_shapes()
     assert len(set(shapes)) == len(shapes)
     assert runner.token_buckets[-1] == max_num_batched_tokens and runner.seq_buckets[-1] == max_num_seqs
@@ -80,7 +85,7 @@ def test_serving_after_warm_up_compiles_nothing(backend_compiles, monkeypatch):
 
     def recording_build(scheduler_output, *args):
         inputs = build(scheduler_output, *args)
-        seen.add((inputs.token_ids.shape[0], inputs.block_tables.shape[0]))
+        seen.add((inputs.model.token_ids.shape[0], inputs.attention.block_tables.shape[0]))
         return inputs
 
     monkeypatch.setattr(engine.input_builder, "build", recording_build)
@@ -113,8 +118,7 @@ def test_donated_caches_update_in_place():
     """The compiled step aliases every cache buffer to its output, and its temporaries are
     far smaller than the cache: no second cache-sized buffer. A copy of the step without
     donation shows what a copy looks like (so the check can fail)."""
-    runner = ModelRunner(model(), num_blocks=4097, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                         max_num_seqs=8, max_num_batched_tokens=64)
+    runner = make_runner(4097, 8, 64)
     cache_bytes = runner.kv_cache_bytes
     config = model().config
     assert cache_bytes == 2 * config.num_layers * 4097 * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 4
@@ -152,18 +156,18 @@ def test_idle_step_runs_nothing():
 
 def test_num_blocks_for_budget():
     config: LlamaConfig = model().config
+    specs, bf16_specs = model().kv_cache_specs(), model().kv_cache_specs("bfloat16")
     per_block = 2 * config.num_layers * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 4  # f32
     kwargs = dict(max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
-    assert num_blocks_for_budget(config, BLOCK_SIZE, None, num_blocks=7, **kwargs) == 7
-    assert num_blocks_for_budget(config, BLOCK_SIZE, None, kv_cache_memory_bytes=10 * per_block + 5, **kwargs) == 10
-    assert num_blocks_for_budget(config, BLOCK_SIZE, "bfloat16", kv_cache_memory_bytes=10 * per_block, **kwargs) == 20
+    assert num_blocks_for_budget(specs, BLOCK_SIZE, num_blocks=7, **kwargs) == 7
+    assert num_blocks_for_budget(specs, BLOCK_SIZE, kv_cache_memory_bytes=10 * per_block + 5, **kwargs) == 10
+    assert num_blocks_for_budget(bf16_specs, BLOCK_SIZE, kv_cache_memory_bytes=10 * per_block, **kwargs) == 20
     with pytest.raises(ValueError, match=rf"holds 1 blocks of {per_block} bytes; give at least {2 * per_block}"):
-        num_blocks_for_budget(config, BLOCK_SIZE, None, kv_cache_memory_bytes=per_block, **kwargs)
+        num_blocks_for_budget(specs, BLOCK_SIZE, kv_cache_memory_bytes=per_block, **kwargs)
     if "bytes_limit" not in (jax.devices()[0].memory_stats() or {}):  # the CPU: room for every sequence
-        assert num_blocks_for_budget(config, BLOCK_SIZE, None, **kwargs) == 8 * math.ceil(MAX_MODEL_LEN / BLOCK_SIZE) + 1
+        assert num_blocks_for_budget(specs, BLOCK_SIZE, **kwargs) == 8 * math.ceil(MAX_MODEL_LEN / BLOCK_SIZE) + 1
 
 
 def test_runner_rejects_unknown_attention_impl():
-    with pytest.raises(ValueError, match="must be 'xla' .* or 'pallas'"):
-        ModelRunner(model(), num_blocks=2, block_size=BLOCK_SIZE, max_model_len=64, max_num_seqs=1,
-                    max_num_batched_tokens=16, attention_impl="triton")
+    with pytest.raises(ValueError, match="attention_impl='triton' must be one of"):
+        make_runner(2, 1, 16, max_model_len=64, attention_impl="triton")

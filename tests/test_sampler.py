@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from paged_jax.core.step_inputs import SamplingMetadata
 from paged_jax.sampler import sample
 
 sample_jit = jax.jit(sample)
@@ -39,13 +40,12 @@ def _np_filtered_probs(logits, temperature, top_k, top_p):
 
 def _run(logits, temperature, top_k, top_p, keys):
     s = logits.shape[0]
-    out = sample_jit(
-        jnp.asarray(logits, jnp.float32),
-        jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (s,)),
-        jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (s,)),
-        jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (s,)),
-        jnp.asarray(keys, jnp.uint32),
-    )
+    out = sample_jit(jnp.asarray(logits, jnp.float32), SamplingMetadata(
+        temperature=jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (s,)),
+        top_k=jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (s,)),
+        top_p=jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (s,)),
+        rng_keys=jnp.asarray(keys, jnp.uint32),
+    ))
     return np.asarray(out[0]), np.asarray(out[1])
 
 

@@ -21,9 +21,10 @@ MIN_SEQ_BUCKET = 8
 
 
 def check_int(name: str, value, minimum: int, fix: str = "") -> None:
-    """ValueError unless value is an int (not a bool) >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}{'; ' + fix if fix else ''}")
+    """ValueError unless value is an int (not a bool) >= minimum; `fix` says what to do."""
+    what = "an int " if isinstance(value, bool) or not isinstance(value, int) else ""
+    if what or value < minimum:
+        raise ValueError(f"{name}={value!r} must be {what}>= {minimum}{': ' + fix if fix else ''}")
 
 
 def check_power_of_two(name: str, value, fix: str = "16 is vLLM's default") -> None:

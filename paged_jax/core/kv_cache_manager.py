@@ -85,7 +85,7 @@ class KVCacheManager:
     def _check_prompt_len(self, request: Request) -> None:
         if request.num_prompt_tokens > self.max_model_len:
             raise ValueError(
-                f"request {request.request_id!r} has {request.num_prompt_tokens} prompt tokens, more than "
+                f"request {request.request_id!r}: prompt has {request.num_prompt_tokens} tokens, more than "
                 f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
             )
 
