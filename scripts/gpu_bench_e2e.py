@@ -8,7 +8,8 @@ in between, so it does not skip the prefills).
 
     python scripts/gpu_bench_e2e.py [--dry-run] [--out DIR]
 
---dry-run: the tiny preset on CPU, 8 prompts of 32 tokens, 8 new tokens (proves the script runs).
+--dry-run: the tiny preset on CPU, 8 prompts of 32 tokens, 8 new tokens, the Pallas kernel in
+interpret mode (proves the script runs).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def main() -> int:
         EngineConfig(model=shape["preset"], block_size=16, num_blocks=shape["num_prompts"] * blocks_per_seq + 1,
                      max_model_len=max_model_len, max_num_seqs=shape["num_prompts"],
                      max_num_batched_tokens=shape["max_num_batched_tokens"], warm_up=False,
-                     interpret=args.dry_run and jax.default_backend() == "cpu"),
+                     # The GPU run's kernel; on a CPU dry run, in interpret mode.
+                     attention_impl="pallas", interpret=args.dry_run and jax.default_backend() == "cpu"),
         model=model, tokenizer=Tokenizer.from_model("tiny"))  # token-id prompts: the tokenizer only decodes
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, min(config.vocab_size, 32000), shape["prompt_len"]).tolist()
