@@ -163,7 +163,6 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_model(c.model)
         mc = self.model.config
         self.cache_config, self.scheduler_config = c.resolve(self.model)
-        self.max_model_len = self.cache_config.max_model_len
         self.kv_cache_manager = KVCacheManager(self.cache_config)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.runner = ModelRunner(self.model, self.cache_config, self.scheduler_config,
