@@ -85,11 +85,23 @@ def _plain_bpe_dir(tmp_path, config, generation_config=None):
 
 
 def test_model_dir_adds_bos_from_config(tmp_path):
-    d = _plain_bpe_dir(tmp_path, {"bos_token": {"content": "<s>"}, "eos_token": "</s>"}, {"eos_token_id": [1, 3]})
+    d = _plain_bpe_dir(tmp_path, {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "add_bos_token": True},
+                       {"eos_token_id": [1, 3]})
     tok = Tokenizer.from_model(d)
     assert (tok.bos_token_id, tok.eos_token_id, tok.eos_token_ids) == (0, 1, (1, 3))
     assert tok.encode("ab a b") == [0, 4, 2, 3]
     assert tok.vocab_size == 5
+
+
+@pytest.mark.parametrize("config, bos", [
+    ({"bos_token": "<s>"}, False),  # no flag, no post-processor: transformers 5 adds none either
+    ({"bos_token": "<s>", "tokenizer_class": "LlamaTokenizerFast"}, False),
+    ({"bos_token": "<s>", "add_bos_token": False}, False),
+    ({"bos_token": "<s>", "add_bos_token": True}, True),
+])
+def test_model_dir_adds_bos_only_when_config_says_so(tmp_path, config, bos):
+    tok = Tokenizer.from_model(_plain_bpe_dir(tmp_path, config))
+    assert tok.encode("ab b") == ([0] if bos else []) + [4, 3]
 
 
 def test_model_dir_without_bos(tmp_path):

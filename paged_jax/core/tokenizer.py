@@ -53,8 +53,11 @@ class Tokenizer:
             self.eos_token_id = int(extra[0])
         ids = [self.eos_token_id] if self.eos_token_id is not None else []
         self.eos_token_ids = tuple(dict.fromkeys(ids + [int(i) for i in extra]))
-        # Llama 1/2 configs say add_bos_token; Llama 3 adds BOS in its post-processor instead.
-        self._add_bos = bool(config.get("add_bos_token", True)) and self.bos_token_id is not None
+        # BOS comes from the tokenizer.json post-processor (Llama 3; encode applies it) or from
+        # an explicit add_bos_token=true (Llama 2 configs). A missing flag adds nothing, as in
+        # transformers 5 (4.x's LlamaTokenizerFast defaulted to True; its checkpoints say so
+        # explicitly anyway).
+        self._add_bos = config.get("add_bos_token") is True and self.bos_token_id is not None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def _find_id(self, configured: str | None, fallbacks: tuple[str, ...]) -> int | None:
