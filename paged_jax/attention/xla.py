@@ -149,18 +149,9 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, quer
                                sm_scale=None):
     """Causal attention of a ragged batch of query tokens over paged K/V, gather-based.
 
-    Args:
-      q: [num_tokens, num_q_heads, head_dim]; sequence i owns rows
-        query_start_loc[i]:query_start_loc[i + 1]; rows past query_start_loc[num_seqs] are padding.
-      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype.
-      block_tables: i32[max_num_seqs, max_blocks_per_seq], padded with the null page 0.
-      seq_lens: i32[max_num_seqs], context length INCLUDING this step's query tokens; 0 when padded.
-      query_start_loc: i32[max_num_seqs + 1].
-      num_seqs: i32 scalar or i32[1], the number of real sequences.
-      sm_scale: softmax scale, default 1/sqrt(head_dim).
-
-    Returns:
-      [num_tokens, num_q_heads, head_dim] in q.dtype; padding rows are zero.
+    Args and Returns: those of pallas_kernels.paged_attention.ragged_paged_attention (the
+    contract both paths share, with every shape), without its interpret and config. Padding
+    rows here are zero.
     """
     check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
     if sm_scale is None:
