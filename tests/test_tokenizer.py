@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from paged_jax.core.tokenizer import Tokenizer
+from paged_jax.core.tokenizer import IncrementalDetokenizer, Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -117,3 +117,22 @@ def test_missing_tokenizer_json_names_the_fix(tmp_path):
 def test_tokenizer_module_imports_no_jax():
     code = "import sys, paged_jax.core.tokenizer; assert 'jax' not in sys.modules, 'tokenizer imported jax'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@given(st.text(max_size=120), st.integers(1, 4))
+def test_incremental_detokenizer_equals_whole_decode(text, chunk):
+    """Streaming the ids in chunks yields exactly the text of decoding them all at once,
+    multi-byte characters included (they are held back until complete)."""
+    tok = Tokenizer.from_model("tiny")
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    streamed = "".join(detok.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk))
+    assert streamed == tok.decode(ids)
+
+
+def test_incremental_detokenizer_holds_back_a_split_character(tiny):
+    ids = tiny.encode("é🙂")[1:]  # byte-level: each character spans several ids
+    detok = IncrementalDetokenizer(tiny)
+    pieces = [detok.push([i]) for i in ids]
+    assert "".join(pieces) == "é🙂" and "\ufffd" not in "".join(pieces)
+    assert pieces.count("") >= 1, "a partial character must wait for its last byte"

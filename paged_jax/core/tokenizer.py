@@ -99,3 +99,37 @@ class Tokenizer:
     def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
         """Returns the text of `token_ids` (special tokens dropped unless asked for)."""
         return self._tok.decode([int(t) for t in token_ids], skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing token sequence, one step at a time, in O(new tokens) per step.
+
+    Decoding token by token breaks multi-byte characters and byte-level BPE merges, so the
+    last few tokens are decoded again with a little context (vLLM's prefix/read offsets):
+    `push(ids)` returns the text that became final. A trailing "\ufffd" means a character
+    is still incomplete, so it waits for the next token.
+    """
+
+    # Tokens of context decoded in front of the new ones, so a leading space or a merge
+    # across the boundary renders as it does in the whole sequence.
+    CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0  # start of the context window
+        self._read_offset = 0  # tokens whose text has been returned
+
+    def push(self, new_token_ids) -> str:
+        """Adds tokens; returns the newly final text ("" while a character is incomplete)."""
+        self.token_ids.extend(int(t) for t in new_token_ids)
+        decode = self._tokenizer.decode
+        prefix = decode(self.token_ids[self._prefix_offset:self._read_offset], self._skip)
+        full = decode(self.token_ids[self._prefix_offset:], self._skip)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        # The next window starts CONTEXT tokens before the end of what is now returned.
+        self._read_offset = len(self.token_ids)
+        self._prefix_offset = max(self._read_offset - self.CONTEXT, 0)
+        return full[len(prefix):]
