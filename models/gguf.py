@@ -69,6 +69,15 @@ def _meta(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+def _float(reader, key: str, default: float) -> float:
+    # GGUF stores config floats as float32; the shortest decimal that rounds to the same float32
+    # is the value the converter was given (9.999999747e-06 -> 1e-05, as in config.json).
+    field = reader.fields.get(key)
+    if field is None:
+        return float(default)
+    return float(np.format_float_positional(np.float32(field.contents()), unique=True, trim="-"))
+
+
 def _require(reader, key: str, name: str):
     value = _meta(reader, key)
     if value is None:
@@ -104,9 +113,10 @@ def _rope_scaling(reader, name: str, rope_theta: float, head_dim: int) -> Llama3
     if kind == "none" and freqs is None:
         return None
     scaling = Llama3RopeScaling(
-        factor=float(_meta(reader, "llama.rope.scaling.factor", 0) or (freqs.data.max() if freqs is not None else 0)),
-        low_freq_factor=float(_meta(reader, "llama.rope.scaling.low_freq_factor", 1.0)),
-        high_freq_factor=float(_meta(reader, "llama.rope.scaling.high_freq_factor", 4.0)),
+        # rope_freqs holds 1 for short wavelengths and the factor itself for long ones.
+        factor=_float(reader, "llama.rope.scaling.factor", 0) or (float(freqs.data.max()) if freqs is not None else 0),
+        low_freq_factor=_float(reader, "llama.rope.scaling.low_freq_factor", 1.0),
+        high_freq_factor=_float(reader, "llama.rope.scaling.high_freq_factor", 4.0),
         original_max_position_embeddings=int(_meta(reader, "llama.rope.scaling.original_context_length", 8192)))
     if freqs is not None and not np.allclose(np.asarray(freqs.data, np.float32),
                                              _llama3_factors(scaling, rope_theta, head_dim), rtol=1e-4):
@@ -150,7 +160,7 @@ def read_gguf_config(reader_or_path, dtype=None, param_dtype=None) -> LlamaConfi
     if vocab is None:
         raise ValueError(f"{name} has neither llama.vocab_size, tokenizer.ggml.tokens nor token_embd.weight; "
                          "the vocabulary size is unknown")
-    rope_theta = float(_meta(reader, "llama.rope.freq_base", 10000.0))
+    rope_theta = _float(reader, "llama.rope.freq_base", 10000.0)
     eos = _meta(reader, "tokenizer.ggml.eos_token_id")
     param_dtype = param_dtype if param_dtype is not None else "float32"
     return LlamaConfig(
@@ -161,7 +171,7 @@ def read_gguf_config(reader_or_path, dtype=None, param_dtype=None) -> LlamaConfi
         num_heads=num_heads,
         num_kv_heads=int(_meta(reader, "llama.attention.head_count_kv", num_heads)),
         head_dim=head_dim,
-        rms_norm_eps=float(_meta(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_norm_eps=_float(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=rope_theta,
         rope_scaling=_rope_scaling(reader, name, rope_theta, head_dim),
         max_position_embeddings=int(_meta(reader, "llama.context_length", 2048)),
