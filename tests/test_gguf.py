@@ -39,7 +39,8 @@ Q = gguf.GGMLQuantizationType
 # load costs ~5 s here and ~20 s in transformers, the engine's compiles more)
 
 SMOLLM2 = "smollm2-135m-instruct"
-# Measured 1.4e-4 on logits of magnitude ~30 (float32 both sides, different matmul orders).
+# Measured 1.0e-4 max |diff| on logits up to 41.6 (3 x 200 tokens, float32 both sides, different
+# matmul orders): 10x headroom.
 SMOLLM2_LOGITS_ATOL = 1e-3
 
 
