@@ -9,9 +9,11 @@ so every tensor goes through the one transform listed for it in `_hf_layout`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
@@ -109,26 +111,42 @@ def load_hf_checkpoint(path: str, dtype=None, param_dtype=None) -> LlamaForCausa
         raise ValueError(f"checkpoint {path} is missing tensor(s) {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''} for a {config.num_layers}-layer Llama")
 
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(file, framework="flax")) for file in set(files.values())}
+        return model_from_hf_tensors(config, lambda name: handles[files[name]].get_tensor(name))
+
+
+def model_from_hf_tensors(config: LlamaConfig, get_tensor: Callable[[str], Any]) -> LlamaForCausalLM:
+    """Build a model of `config` whose every parameter is the HF-named tensor get_tensor returns.
+
+    The one place HF names meet model parameters, shared by every checkpoint format (a HF
+    directory, a GGUF file): a format only has to produce HF-layout tensors by name.
+
+    Args:
+      config: the model's shapes; decides which names are asked for (no lm_head.weight when
+        tie_word_embeddings).
+      get_tensor: HF tensor name -> array in HF layout (numpy or jax, any float dtype), e.g.
+        "model.layers.0.self_attn.q_proj.weight" -> [num_heads * head_dim, hidden_size]. Called
+        once per name, so it may read lazily.
+    Returns:
+      The model, weights cast to config.param_dtype.
+    Raises:
+      ValueError naming the tensor when one has the wrong shape.
+    """
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, rngs=nnx.Rngs(0)))
-    by_file: dict[str, list[str]] = {}
-    for name in layout:
-        by_file.setdefault(files[name], []).append(name)
-    for file, names in by_file.items():
-        with safe_open(file, framework="flax") as fh:
-            for name in names:
-                shape, param_of, from_hf, _ = layout[name]
-                got = tuple(fh.get_slice(name).get_shape())
-                if got != shape:
-                    raise ValueError(f"tensor {name} has shape {got}, expected {shape} for this config.json")
-                param = param_of(model)
-                value = from_hf(fh.get_tensor(name)).astype(config.param_dtype)
-                assert value.shape == param.shape, f"layout transform of {name} gives {value.shape}"
-                # A fresh Variable from eval_shape holds a ShapeDtypeStruct, so it is replaced
-                # whole (set_value since flax 0.12; the .value setter before it).
-                if hasattr(param, "set_value"):
-                    param.set_value(value)
-                else:
-                    param.value = value
+    for name, (shape, param_of, from_hf, _) in _hf_layout(config).items():
+        tensor = get_tensor(name)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {shape} for this config")
+        param = param_of(model)
+        value = jnp.asarray(from_hf(tensor)).astype(config.param_dtype)
+        assert value.shape == param.shape, f"layout transform of {name} gives {value.shape}"
+        # A fresh Variable from eval_shape holds a ShapeDtypeStruct, so it is replaced
+        # whole (set_value since flax 0.12; the .value setter before it).
+        if hasattr(param, "set_value"):
+            param.set_value(value)
+        else:
+            param.value = value
     return model
 
 
