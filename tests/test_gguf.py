@@ -30,8 +30,8 @@ from models.gguf import (gguf_tokenizer, load_gguf_checkpoint, read_gguf_config,
                          read_gguf_tokenizer_info)
 from models.loader import load_hf_checkpoint  # noqa: E402
 from models.named_models import NAMED_MODELS, resolve_named_model  # noqa: E402
-from paged_jax.chat_template import end_of_turn_token, render_chat_template  # noqa: E402
-from paged_jax.tokenizer import Tokenizer  # noqa: E402
+from paged_jax.core.chat_template import end_of_turn_token, render_chat_template  # noqa: E402
+from paged_jax.core.tokenizer import Tokenizer  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 
@@ -117,7 +117,7 @@ def tiny_vocab():
     Returns (tokens, token_types, merges); ids 510.. are <|begin_of_text|>, <|end_of_text|>,
     <|im_start|>, <|im_end|> (CONTROL) and <think> (USER_DEFINED).
     """
-    data = json.loads(resources.files("paged_jax").joinpath("assets", "tokenizer.json").read_text("utf-8"))
+    data = json.loads(resources.files("paged_jax.core").joinpath("assets", "tokenizer.json").read_text("utf-8"))
     vocab = data["model"]["vocab"]
     tokens = sorted(vocab, key=vocab.get)
     assert [vocab[t] for t in tokens] == list(range(len(tokens))), "asset vocab ids are not dense"
@@ -488,7 +488,7 @@ def test_smollm2_greedy_chat_matches_transformers(smollm2, smollm2_hf):
     import torch
 
     from paged_jax.engine import EngineConfig, LLMEngine
-    from paged_jax.request import SamplingParams
+    from paged_jax.core.request import SamplingParams
 
     (model, tokenizer, info), (ref, _) = smollm2, smollm2_hf
     prompts = [tokenizer.encode(render_chat_template(info.chat_template, [{"role": "user", "content": p}],

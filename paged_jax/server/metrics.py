@@ -1,0 +1,58 @@
+"""Prometheus metrics of a server (vLLM's names where it has one), in a registry of its own.
+
+Gauges mirror the engine's stats after every step; counters and histograms are fed by the
+engine thread as tokens arrive. GET /metrics renders the registry in the text format.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Seconds; vLLM's TTFT and inter-token-latency buckets.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+
+
+class ServerMetrics:
+    """The metrics of one server; the AsyncEngine calls the on_* hooks from its thread."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name, doc):
+            return Gauge(name, doc, list(labels), registry=self.registry).labels(**labels)
+
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
+        self.prefix_hit_rate = gauge("vllm:prefix_cache_hit_rate", "Prefix-cache hit rate of prompt tokens.")
+        self.preemptions = gauge("vllm:num_preemptions", "Preemptions since start (cumulative).")
+        self.generated = Counter("vllm:generation_tokens", "Generated tokens.", list(labels),
+                                 registry=self.registry).labels(**labels)
+        self.finished = Counter("vllm:request_success", "Finished requests by reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", list(labels),
+                              buckets=TTFT_BUCKETS, registry=self.registry).labels(**labels)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens of a request.",
+                             list(labels), buckets=ITL_BUCKETS, registry=self.registry).labels(**labels)
+        self._model_name = model_name
+
+    def on_step(self, stats: dict) -> None:
+        self.running.set(stats["num_running_reqs"])
+        self.waiting.set(stats["num_waiting_reqs"])
+        self.kv_usage.set(stats["kv_cache_usage"])
+        self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
+        self.preemptions.set(stats["num_preemptions"])
+
+    def on_tokens(self, num_tokens: int, seconds: float, first: bool) -> None:
+        """num_tokens arrived for one request, `seconds` after its arrival (first) or its last token."""
+        (self.ttft if first else self.itl).observe(seconds)
+        self.generated.inc(num_tokens)
+
+    def on_finished(self, reason: str, num_tokens: int) -> None:
+        self.finished.labels(model_name=self._model_name, finished_reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
