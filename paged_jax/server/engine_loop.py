@@ -51,8 +51,6 @@ class _Stream:
         self.arrival = arrival
         self.last_token_time: float | None = None
 
-    def put(self, delta: Delta) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
 
 
 class AsyncEngine:
@@ -73,6 +71,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # the engine thread's only
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # this step's deltas, per loop
         self._num_pending = 0  # added and not finished; guarded by _lock
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -138,6 +137,7 @@ class AsyncEngine:
         engine = self.engine
         while not self._stop.is_set():
             if self._drain_inbox():
+                self._flush()
                 self._publish_stats()  # aborts free blocks without a step
             if not engine.has_unfinished_requests():
                 self._wake.wait(0.05)
@@ -147,12 +147,25 @@ class AsyncEngine:
                 outputs = engine.step()
             except Exception as error:  # a bug or a device failure: fail what runs, keep serving
                 self._fail_all(f"engine step failed: {type(error).__name__}: {error}")
+                self._flush()
                 continue
             now = time.perf_counter()
             for output in outputs:
                 self._deliver(output, now)
+            self._flush()
             self._publish_stats()
         self._fail_all("the server is shutting down")
+        self._flush()
+
+    def _put(self, stream: _Stream, delta: Delta) -> None:
+        self._outbox.setdefault(stream.loop, []).append((stream.queue, delta))
+
+    def _flush(self) -> None:
+        """Hands this step's deltas to their event loops: one wake-up per loop per step, not one
+        per request (each wake-up is a write to the loop's self-pipe)."""
+        for loop, items in self._outbox.items():
+            loop.call_soon_threadsafe(_put_all, items)
+        self._outbox = {}
 
     def _publish_stats(self) -> None:
         self.stats = self.engine.get_stats()
@@ -202,7 +215,7 @@ class AsyncEngine:
         if output.finished:
             self._finish(stream, output.request_id, delta)
         else:
-            stream.put(delta)
+            self._put(stream, delta)
 
     def _finish(self, stream: _Stream, request_id: str, delta: Delta) -> None:
         self._streams.pop(request_id, None)
@@ -210,9 +223,14 @@ class AsyncEngine:
             self._num_pending -= 1
         if self.metrics is not None:
             self.metrics.on_finished(delta.finish_reason or "error", stream.num_sent)
-        stream.put(delta)
+        self._put(stream, delta)
 
     def _fail_all(self, message: str) -> None:
         for request_id, stream in list(self._streams.items()):
             self.engine.abort_request(request_id)
             self._finish(stream, request_id, Delta((), None, None, 0, 0, error=message))
+
+
+def _put_all(items) -> None:
+    for queue_, delta in items:
+        queue_.put_nowait(delta)

@@ -29,6 +29,7 @@ class ServerMetrics:
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1).")
         self.prefix_hit_rate = gauge("vllm:prefix_cache_hit_rate", "Prefix-cache hit rate of prompt tokens.")
         self.preemptions = gauge("vllm:num_preemptions", "Preemptions since start (cumulative).")
+        self.compilations = gauge("paged_jax:num_compilations", "Step shapes compiled since start.")
         self.generated = Counter("vllm:generation_tokens", "Generated tokens.", list(labels),
                                  registry=self.registry).labels(**labels)
         self.finished = Counter("vllm:request_success", "Finished requests by reason.",
@@ -45,6 +46,7 @@ class ServerMetrics:
         self.kv_usage.set(stats["kv_cache_usage"])
         self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
         self.preemptions.set(stats["num_preemptions"])
+        self.compilations.set(stats["num_compilations"])
 
     def on_tokens(self, num_tokens: int, seconds: float, first: bool) -> None:
         """num_tokens arrived for one request, `seconds` after its arrival (first) or its last token."""
