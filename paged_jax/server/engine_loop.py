@@ -121,8 +121,13 @@ class AsyncEngine:
 
     @staticmethod
     async def _deltas(stream: _Stream) -> AsyncIterator[Delta]:
+        queue_ = stream.queue
         while True:
-            delta = await stream.queue.get()
+            delta = await queue_.get()
+            # Under load the HTTP side falls behind the engine: what has piled up goes out as
+            # one delta (one SSE chunk), so the per-chunk cost is paid once per catch-up.
+            while not queue_.empty() and delta.finish_reason is None and delta.error is None:
+                delta = _merge(delta, queue_.get_nowait())
             yield delta
             if delta.finish_reason is not None or delta.error is not None:
                 return
@@ -234,3 +239,9 @@ class AsyncEngine:
 def _put_all(items) -> None:
     for queue_, delta in items:
         queue_.put_nowait(delta)
+
+
+def _merge(a: Delta, b: Delta) -> Delta:
+    """Two consecutive deltas of one request as one."""
+    logprobs = None if a.logprobs is None or b.logprobs is None else a.logprobs + b.logprobs
+    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, logprobs=logprobs)
