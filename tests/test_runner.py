@@ -115,21 +115,33 @@ def test_serving_after_warm_up_compiles_nothing(backend_compiles, monkeypatch):
 
 
 def test_donated_caches_update_in_place():
-    """The compiled step aliases every cache buffer to its output, and its temporaries are
-    far smaller than the cache: no second cache-sized buffer. A copy of the step without
-    donation shows what a copy looks like (so the check can fail)."""
+    """For every bucket, the compiled layer program aliases its layer's cache buffers to its
+    outputs and its temporaries are far smaller than that cache: no second cache-sized
+    buffer. The embed and head programs never see a cache. A copy of the layer program
+    without donation shows what a copy looks like (so the check can fail)."""
     runner = make_runner(4097, 8, 64)
     cache_bytes = runner.kv_cache_bytes
     config = model().config
     assert cache_bytes == 2 * config.num_layers * 4097 * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 4
-    donated = runner.compiled_memory(64, 8)
-    assert donated.alias_size_in_bytes == cache_bytes
-    assert donated.temp_size_in_bytes < cache_bytes / 4
-    assert donated.output_size_in_bytes - donated.alias_size_in_bytes < cache_bytes / 4
+    layer_cache_bytes = cache_bytes // config.num_layers
+    assert runner.bucket_shapes() == [(16, 8), (32, 8), (64, 8)]
+    for t, s in runner.bucket_shapes():
+        memory = runner.compiled_memory(t, s)
+        layer = memory["layer"]
+        assert layer.alias_size_in_bytes == layer_cache_bytes, (t, s)
+        assert layer.temp_size_in_bytes < layer_cache_bytes / 4, (t, s)
+        assert layer.output_size_in_bytes - layer.alias_size_in_bytes < layer_cache_bytes / 4, (t, s)
+        for name in ("embed", "head"):
+            stats = memory[name]
+            assert stats.alias_size_in_bytes == 0 and stats.temp_size_in_bytes < layer_cache_bytes / 4, (name, t, s)
+            assert stats.argument_size_in_bytes < layer_cache_bytes / 4, (name, t, s)
 
-    copying = jax.jit(runner._step_fn).lower(runner.params, runner.kv_caches, runner.dummy_inputs(64, 8))
+    inputs = runner.dummy_inputs(64, 8)
+    x = jax.ShapeDtypeStruct((64, config.hidden_size), config.dtype)
+    copying = jax.jit(runner._layer_fn).lower(runner.layer_params[0], x, runner.kv_caches[0], inputs.model.positions,
+                                             inputs.attention)
     copied = copying.compile().memory_analysis()
-    assert copied.alias_size_in_bytes == 0 and copied.output_size_in_bytes >= cache_bytes
+    assert copied.alias_size_in_bytes == 0 and copied.output_size_in_bytes >= layer_cache_bytes
 
 
 def test_step_deletes_the_previous_cache_arrays():
