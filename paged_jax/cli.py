@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import numpy as np
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from paged_jax.compile_cache import WARM_UP_MODES, default_compile_cache_dir
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,10 +38,13 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     m.add_argument("--attention-impl", choices=("xla", "pallas"), default=None,
                    help="default: pallas on GPU, xla elsewhere")
-    m.add_argument("--compile-cache-dir", default=_default_compile_cache_dir(),
+    m.add_argument("--compile-cache-dir", default=default_compile_cache_dir(),
                    help="jax's persistent compilation cache, so a second run skips compiling the buckets "
-                        "(default: %(default)s)")
+                        "(default: %(default)s; $PAGED_JAX_COMPILE_CACHE_DIR moves it)")
     m.add_argument("--no-compile-cache", action="store_true", help="compile every bucket afresh")
+    m.add_argument("--warm-up", choices=WARM_UP_MODES, default="background",
+                   help="background: start after the smallest bucket, compile the rest while generating; "
+                        "full: compile every bucket first; none: each on first use (default: %(default)s)")
     s = g.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64)
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -90,34 +95,34 @@ def _sampling_params(args):
                           top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
-def _default_compile_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "paged-jax", "xla")
-
-
-def _enable_compile_cache(path: str) -> None:
-    import jax
-
-    # Process-wide, which is why the CLI sets it and the library leaves it to its user.
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the tiny model compiles in < 1 s
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def generate(args, params, prompts: list[str], console: Console) -> int:
     from paged_jax import LLM  # jax loads here, after argument errors are out of the way
 
-    if not args.no_compile_cache:
-        _enable_compile_cache(args.compile_cache_dir)
+    # One bar over the buckets, from loading until generation ends: in background warm-up the
+    # buckets keep compiling while the prompts run (generate's own bar would be a second
+    # live display, which rich refuses, so it is off while this one shows).
+    show = console.is_terminal and not args.json
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True, disable=not show) as progress:
+        task = progress.add_task("loading the model", total=None)
 
-    with console.status("loading the model and compiling every bucket"):
+        def compiled(done: int, total: int) -> None:
+            progress.update(task, description="compiling buckets", completed=done, total=total)
+
+        progress.update(task, description="loading the model, compiling the first bucket")
         llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens,
-                  enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=console.is_terminal and not args.json)
-    elapsed = time.perf_counter() - start
+                  enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl,
+                  warm_up=args.warm_up, compile_cache_dir=None if args.no_compile_cache else args.compile_cache_dir,
+                  warm_up_progress=compiled)
+        progress.update(task, description="compiling buckets (generating meanwhile)")
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    # The buckets this run did not need are left to the next one (their compilation would
+    # only delay the exit); those compiled are in the persistent cache.
+    llm.engine.runner.stop_warm_up()
     summary = _summary(outputs, llm.stats(), elapsed)
     if args.json:
         for o in outputs:

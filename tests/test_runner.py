@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
 
 import jax
 import numpy as np
 import pytest
 
-from engine_reference import BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, get_engine, model, run_to_completion
+from engine_reference import (BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, dense_greedy, get_engine, model,
+                              run_to_completion)
 from models.llama import LlamaConfig
 from paged_jax import SamplingParams
+from paged_jax.engine import EngineConfig, LLMEngine
 from paged_jax.core.config import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, CacheConfig, SchedulerConfig
 from paged_jax.runner import ModelRunner, num_blocks_for_budget
 
@@ -183,3 +186,57 @@ def test_num_blocks_for_budget():
 def test_runner_rejects_unknown_attention_impl():
     with pytest.raises(ValueError, match="attention_impl='triton' must be one of"):
         make_runner(2, 1, 16, max_model_len=64, attention_impl="triton")
+
+
+def test_choose_shape_pads_up_to_a_compiled_bucket():
+    runner = make_runner(2, 16, 32)
+    assert runner.bucket_shapes() == [(16, 8), (16, 16), (32, 8), (32, 16)]
+    # nothing compiled: the smallest bucket that fits (the step then waits for it)
+    assert runner.choose_shape(3, 2) == (16, 8)
+    assert runner.choose_shape(17, 9) == (32, 16)
+    runner._programs[(32, 16)] = None  # stands for compiled programs: choose_shape only looks at the keys
+    assert runner.choose_shape(3, 2) == (32, 16)  # the only compiled bucket that fits
+    assert runner.choose_shape(17, 9) == (32, 16)
+    runner._programs[(16, 16)] = None
+    assert runner.choose_shape(3, 2) == (16, 16)  # fewest tokens first
+    assert runner.choose_shape(17, 2) == (32, 16)
+    runner._programs[(16, 8)] = None
+    assert runner.choose_shape(3, 2) == (16, 8)
+    assert runner.choose_shape(16, 8) == (16, 8) and runner.choose_shape(16, 9) == (16, 16)
+
+
+def test_background_warm_up_never_compiles_on_the_serving_thread():
+    """The smallest bucket compiles before the engine is ready, every other one on the warm-up
+    thread, smallest first unless a step asks for its own, while requests run; what they
+    generate is the dense reference's."""
+    base = get_engine("big")
+    config = EngineConfig(model="tiny", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, max_num_seqs=16,
+                          max_num_batched_tokens=32, warm_up="none")
+    engine = LLMEngine(config, model=base.model, tokenizer=base.tokenizer)
+    runner = engine.runner
+    assert runner.num_compilations == 0
+    compiled_on, compile_shape = [], runner._compile
+
+    def recording_compile(num_tokens, num_seqs):
+        compiled_on.append((threading.current_thread(), (num_tokens, num_seqs)))
+        return compile_shape(num_tokens, num_seqs)
+
+    runner._compile = recording_compile
+    runner.start_warm_up()
+    assert compiled_on == [(threading.main_thread(), (16, 8))] and runner.num_compilations == 1
+
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 512, n).tolist() for n in (5, 40, 17, 3, 90, 12, 33, 8, 2, 60)]
+    max_tokens = [6, 3, 9, 12, 2, 7, 5, 10, 4, 3]
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(f"bg-{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    finished = run_to_completion(engine)
+    runner.wait_warm_up()
+
+    shapes = runner.bucket_shapes()
+    assert sorted(shape for _, shape in compiled_on) == sorted(shapes)  # each bucket once
+    assert all(thread is not threading.main_thread() for thread, _ in compiled_on[1:])
+    assert runner.num_compilations == len(shapes)
+    reference, _ = dense_greedy(prompts, max_tokens)
+    assert [finished[f"bg-{i}"].token_ids for i in range(len(prompts))] == reference
+    assert_no_leak(engine)
