@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -91,7 +92,8 @@ class EngineConfig:
             raise ValueError(f"attention_impl={self.attention_impl!r} must be None, 'xla' or 'pallas'")
         if self.dtype is not None:
             try:
-                floating = np.issubdtype(np.dtype(self.dtype), np.floating)
+                # jnp.dtype knows the ml_dtypes names numpy alone rejects ("bfloat16").
+                floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
             except TypeError:
                 floating = False
             if not floating:

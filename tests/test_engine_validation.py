@@ -131,6 +131,7 @@ def test_engine_config_rejects_bad_values(kwargs, message):
 
 
 def test_engine_config_warm_up_and_compile_cache_defaults(monkeypatch, tmp_path):
+    assert EngineConfig(dtype="bfloat16").dtype == "bfloat16"  # an ml_dtypes name numpy alone rejects
     assert EngineConfig().warm_up == "background"
     assert EngineConfig(warm_up=True).warm_up == "full" and EngineConfig(warm_up=False).warm_up == "none"
     assert EngineConfig(compile_cache_dir=None).compile_cache_dir is None
