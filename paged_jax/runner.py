@@ -1,18 +1,21 @@
 """The device side of the engine: weights, KV caches and the compiled step of each bucket.
 
 A step is three compiled programs per bucket (token count T, sequence count S; the block
-table width is fixed): `embed`, one `layer` program called once per decoder layer, and
-`head` (final norm, logits of the sampled rows, sampling). Compiling one layer instead of
-a program with every layer unrolled is what makes start-up fast, and it costs nothing per
-step (scripts/bench_startup.py, SmolLM2-135M shape, f32, 2 CPU cores: ~2.5 s instead of
-~9 s per bucket; steps within noise of the unrolled program, see its table). A lax.scan over
-stacked weights compiles as fast but copies each layer's weights out of the stack on XLA:CPU
-(+30% per decode step, measured), and would put every cache in one buffer that the loop
-reads while updating (openxla/xla#45912).
+table width is fixed): `embed`, one `layer` program of a few consecutive decoder layers
+(layers_per_program: 2 or 3) called once per group of layers, and `head` (final norm,
+logits of the sampled rows, sampling). Compiling a couple of layers instead of a program
+with every layer unrolled is what makes start-up fast (SmolLM2-135M shape, f32, 2 CPU
+cores: 1.4-1.7 s instead of ~7-9 s per bucket), at no measurable step cost: decode steps
+1.2% (2 layers a program) and 1.6% (3) slower than the unrolled program, mixed steps within
+noise. One layer a program compiled ~0.1 s faster but made decode steps 7.5% slower (30 calls
+a step); a lax.scan over stacked weights compiled as fast but copied each layer's weights out
+of the stack on XLA:CPU (+30% per decode step), and would put every cache in one buffer that
+the loop reads while updating (openxla/xla#45912). scripts/bench_startup.py --steps keeps
+measuring it.
 
-Each layer call takes that layer's (k_cache, v_cache) as a donated argument and returns it,
-so XLA updates the caches in place (no second cache-sized buffer; tests check the compiled
-executables). StepInputs crosses to the device once per step; the layer calls share it.
+Each layer call takes its layers' (k_cache, v_cache) pairs as donated arguments and returns
+them, so XLA updates the caches in place (no second cache-sized buffer; tests check the
+compiled executables). StepInputs crosses to the device once per step; the calls share it.
 
 Compilation (`warm_up`, `start_warm_up`): a bucket's programs are compiled ahead of time,
 smallest bucket first; all buckets before serving (warm_up()), or the smallest one now and
@@ -41,6 +44,12 @@ from paged_jax.sampler import sample
 # host keeps one Python object per block, and only tiny models on big GPUs reach it (a
 # Llama-3.1-8B in 100 GB of bf16 KV is ~50k blocks).
 MAX_AUTO_BLOCKS = 1 << 18
+
+
+def layers_per_program(num_layers: int) -> int:
+    """Consecutive layers one compiled layer program runs: 2 or 3 when they divide num_layers
+    (every call then runs the same program), else 1 (see the module docstring for the cost)."""
+    return next((k for k in (2, 3) if num_layers % k == 0), 1)
 
 
 def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_memory_bytes=None,
@@ -104,6 +113,7 @@ class ModelRunner:
         self._layer_graphdef = nnx.graphdef(model.layers[0])
         if any(nnx.graphdef(layer) != self._layer_graphdef for layer in model.layers):
             raise ValueError("the model's layers differ in structure; one compiled layer program needs them alike")
+        self.layers_per_program = layers_per_program(len(model.layers))
         self.layer_params = [nnx.state(layer) for layer in model.layers]
         self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
         self.kv_caches = init_kv_caches(specs, cache_config.num_blocks, cache_config.block_size)
@@ -126,9 +136,14 @@ class ModelRunner:
     def _embed_fn(self, head_params, token_ids):
         return self._model(head_params).embed(token_ids)
 
-    def _layer_fn(self, layer_params, x, kv_cache, positions, attn_metadata):
-        layer = nnx.merge(self._layer_graphdef, layer_params)
-        return layer(x, positions, kv_cache, attn_metadata, self.attention)
+    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata):
+        """layers_per_program consecutive layers: their params and caches are lists."""
+        new_caches = []
+        for params, kv_cache in zip(layer_params, kv_caches):
+            layer = nnx.merge(self._layer_graphdef, params)
+            x, kv_cache = layer(x, positions, kv_cache, attn_metadata, self.attention)
+            new_caches.append(kv_cache)
+        return x, new_caches
 
     def _head_fn(self, head_params, x, inputs: StepInputs):
         logits = self._model(head_params).compute_logits(x, inputs.model)
@@ -143,8 +158,9 @@ class ModelRunner:
         if embed is None:
             embed = jax.jit(self._embed_fn).lower(abstract(self.head_params), inputs.model.token_ids).compile()
         x = jax.eval_shape(self._embed_fn, abstract(self.head_params), inputs.model.token_ids)
+        k = self.layers_per_program
         layer = jax.jit(self._layer_fn, donate_argnums=(2,)).lower(
-            abstract(self.layer_params[0]), x, abstract(self.kv_caches[0]), inputs.model.positions,
+            abstract(self.layer_params[:k]), x, abstract(self.kv_caches[:k]), inputs.model.positions,
             inputs.attention).compile()
         head = jax.jit(self._head_fn).lower(abstract(self.head_params), x, inputs).compile()
         return embed, layer, head
@@ -201,9 +217,10 @@ class ModelRunner:
                                                  inputs.attention.block_tables.shape[0]))
         inputs = jax.device_put(inputs)  # once: every layer call reads the same device arrays
         x = embed(self.head_params, inputs.model.token_ids)
-        kv_caches = self.kv_caches
-        for i, layer_params in enumerate(self.layer_params):
-            x, kv_caches[i] = layer(layer_params, x, kv_caches[i], inputs.model.positions, inputs.attention)
+        kv_caches, k = self.kv_caches, self.layers_per_program
+        for i in range(0, len(kv_caches), k):
+            x, kv_caches[i : i + k] = layer(self.layer_params[i : i + k], x, kv_caches[i : i + k],
+                                            inputs.model.positions, inputs.attention)
         token_ids, logprobs = head(self.head_params, x, inputs)
         self.num_steps += 1
         return np.asarray(token_ids), np.asarray(logprobs)
@@ -306,7 +323,7 @@ class ModelRunner:
     def compiled_memory(self, num_tokens: int, num_seqs: int) -> dict:
         """Memory analysis of one bucket's programs (tests use it to show that the donated caches
         are updated in place): {"embed", "layer", "head"} -> CompiledMemoryStats. The layer
-        program runs once per layer on that layer's cache."""
+        program runs once per group of layers_per_program layers, on their caches."""
         embed, layer, head = self._programs_for((num_tokens, num_seqs))
         return {"embed": embed.memory_analysis(), "layer": layer.memory_analysis(),
                 "head": head.memory_analysis()}

@@ -45,7 +45,7 @@ SHAPES = {
 ENGINE_ARGS = {
     "tiny": dict(max_num_seqs=64, max_num_batched_tokens=512),
     "smollm2": dict(max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512, dtype="float32"),
-    "llama-1b": dict(max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512, dtype="bfloat16"),
+    "llama-1b": dict(max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512, dtype="bfloat16"),  # the preset's
 }
 
 
@@ -158,6 +158,7 @@ def measure_steps(reps: int) -> dict:
     unrolled = jax.jit(unrolled_step, donate_argnums=(1,))
     caches = init_kv_caches(model.kv_cache_specs(), num_blocks, 16)
     batches = {
+        "decode 8 x 600 ctx": _step_inputs(runner, [1] * 8, [600] * 8, 16, 8),
         "decode 32 x 600 ctx": _step_inputs(runner, [1] * 32, [600] * 32, 32, 32),
         "mixed 448-prefill + 31 decodes": _step_inputs(runner, [448] + [1] * 31, [448] + [600] * 31, 512, 32),
     }
@@ -244,7 +245,7 @@ def main() -> None:
         steps = _run_child("--child", "steps", "--reps", str(args.reps))
         result["steps"] = steps
         print_table("step time, ms (median, alternating runs; SmolLM2-135M shape, f32)",
-                    ["batch", "runner (one layer program)", "unrolled program", "ratio"],
+                    ["batch", "runner (layer-group programs)", "unrolled program", "ratio"],
                     [[k, f"{v['runner']:.1f}", f"{v['unrolled']:.1f}", f"{v['ratio']:.3f}"] for k, v in steps.items()])
     write_json(args.out, result)
 

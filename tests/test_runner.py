@@ -8,20 +8,24 @@ compilation in the process whatever triggered it.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 import threading
 
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from engine_reference import (BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, dense_greedy, get_engine, model,
                               run_to_completion)
-from models.llama import LlamaConfig
+from hand_step_inputs import hand_step_inputs
+from models.kv_cache_spec import init_kv_caches
+from models.llama import LlamaConfig, LlamaForCausalLM
 from paged_jax import SamplingParams
 from paged_jax.engine import EngineConfig, LLMEngine
 from paged_jax.core.config import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, CacheConfig, SchedulerConfig
-from paged_jax.runner import ModelRunner, num_blocks_for_budget
+from paged_jax.runner import ModelRunner, layers_per_program, num_blocks_for_budget
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -118,8 +122,8 @@ def test_serving_after_warm_up_compiles_nothing(backend_compiles, monkeypatch):
 
 
 def test_donated_caches_update_in_place():
-    """For every bucket, the compiled layer program aliases its layer's cache buffers to its
-    outputs and its temporaries are far smaller than that cache: no second cache-sized
+    """For every bucket, the compiled layer program aliases its layers' cache buffers to its
+    outputs and its temporaries are far smaller than one layer's cache: no second cache-sized
     buffer. The embed and head programs never see a cache. A copy of the layer program
     without donation shows what a copy looks like (so the check can fail)."""
     runner = make_runner(4097, 8, 64)
@@ -127,11 +131,13 @@ def test_donated_caches_update_in_place():
     config = model().config
     assert cache_bytes == 2 * config.num_layers * 4097 * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 4
     layer_cache_bytes = cache_bytes // config.num_layers
+    k = runner.layers_per_program
+    assert 1 <= k <= config.num_layers and config.num_layers % k == 0
     assert runner.bucket_shapes() == [(16, 8), (32, 8), (64, 8)]
     for t, s in runner.bucket_shapes():
         memory = runner.compiled_memory(t, s)
         layer = memory["layer"]
-        assert layer.alias_size_in_bytes == layer_cache_bytes, (t, s)
+        assert layer.alias_size_in_bytes == k * layer_cache_bytes, (t, s)
         assert layer.temp_size_in_bytes < layer_cache_bytes / 4, (t, s)
         assert layer.output_size_in_bytes - layer.alias_size_in_bytes < layer_cache_bytes / 4, (t, s)
         for name in ("embed", "head"):
@@ -141,8 +147,8 @@ def test_donated_caches_update_in_place():
 
     inputs = runner.dummy_inputs(64, 8)
     x = jax.ShapeDtypeStruct((64, config.hidden_size), config.dtype)
-    copying = jax.jit(runner._layer_fn).lower(runner.layer_params[0], x, runner.kv_caches[0], inputs.model.positions,
-                                             inputs.attention)
+    copying = jax.jit(runner._layer_fn).lower(runner.layer_params[:k], x, runner.kv_caches[:k],
+                                             inputs.model.positions, inputs.attention)
     copied = copying.compile().memory_analysis()
     assert copied.alias_size_in_bytes == 0 and copied.output_size_in_bytes >= layer_cache_bytes
 
@@ -186,6 +192,10 @@ def test_num_blocks_for_budget():
 def test_runner_rejects_unknown_attention_impl():
     with pytest.raises(ValueError, match="attention_impl='triton' must be one of"):
         make_runner(2, 1, 16, max_model_len=64, attention_impl="triton")
+
+
+def test_layers_per_program():
+    assert [layers_per_program(n) for n in (1, 2, 3, 5, 9, 16, 30, 35)] == [1, 2, 3, 1, 3, 2, 2, 1]
 
 
 def test_choose_shape_pads_up_to_a_compiled_bucket():
@@ -240,3 +250,25 @@ def test_background_warm_up_never_compiles_on_the_serving_thread():
     reference, _ = dense_greedy(prompts, max_tokens)
     assert [finished[f"bg-{i}"].token_ids for i in range(len(prompts))] == reference
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("num_layers", [3, 5])  # 3 layers a program; 1 layer a program
+def test_grouped_layer_programs_match_the_model(num_layers):
+    """Two steps (a prefill, then a decode reading its cache) through the runner's programs give
+    the logprobs of the model's own forward (all layers in one call, tested against dense
+    attention in test_llama.py), for layer counts that group differently."""
+    config = dataclasses.replace(model().config, num_layers=num_layers)
+    llama = LlamaForCausalLM(config, rngs=nnx.Rngs(3))
+    runner = ModelRunner(llama, CacheConfig(BLOCK_SIZE, 9, 64), SchedulerConfig(8, 16, 64))
+    assert runner.layers_per_program == (3 if num_layers == 3 else 1)
+    caches = init_kv_caches(llama.kv_cache_specs(), 9, BLOCK_SIZE)
+    reference = jax.jit(lambda inputs, caches: llama(inputs.model, caches, inputs.attention, runner.attention))
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, 20)
+    width = runner.cache_config.max_blocks_per_seq
+    for start, end in ((0, 13), (13, 14)):
+        inputs = hand_step_inputs([(tokens, [4, 2], start, end)], BLOCK_SIZE, width, 16, 8)
+        token_ids, logprobs = runner.execute(inputs)
+        logits, caches = reference(inputs, caches)
+        log_softmax = np.asarray(jax.nn.log_softmax(logits[0]))
+        assert token_ids[0] == int(np.argmax(log_softmax)), (start, end)  # greedy row
+        np.testing.assert_allclose(logprobs[0], log_softmax[token_ids[0]], rtol=1e-5, atol=1e-5)
