@@ -2,16 +2,18 @@
 
 A step is three compiled programs per bucket (token count T, sequence count S; the block
 table width is fixed): `embed`, one `layer` program of a few consecutive decoder layers
-(layers_per_program: 2 or 3) called once per group of layers, and `head` (final norm,
-logits of the sampled rows, sampling). Compiling a couple of layers instead of a program
-with every layer unrolled is what makes start-up fast (SmolLM2-135M shape, f32, 2 CPU
-cores: 1.4-1.7 s instead of ~7-9 s per bucket), at no measurable step cost: decode steps
-1.2% (2 layers a program) and 1.6% (3) slower than the unrolled program, mixed steps within
-noise. One layer a program compiled ~0.1 s faster but made decode steps 7.5% slower (30 calls
-a step); a lax.scan over stacked weights compiled as fast but copied each layer's weights out
-of the stack on XLA:CPU (+30% per decode step), and would put every cache in one buffer that
-the loop reads while updating (openxla/xla#45912). scripts/bench_startup.py --steps keeps
-measuring it.
+(layers_per_program, up to 6) called once per group of layers, and `head` (final norm,
+logits of the sampled rows, sampling). Compiling a few layers instead of a program with
+every layer unrolled is what makes start-up fast (SmolLM2-135M shape, f32, 2 busy CPU cores:
+1.4 s a bucket for 1 layer, 1.5 for 2, 1.7 for 3, 2.0 for 5, 6-7 s for all 30 unrolled).
+Each call costs a little on the host and in the runtime, so groups are as large as divide
+the layer count up to 6: steps measured against the unrolled program, alternating runs
+(decode 8 / decode 32 / mixed): 1 layer a program 1.08 (decode 32); 2 layers 1.03-1.04 /
+1.05 / 1.04-1.05; 6 layers 1.00 / 1.05 / 1.01 (this machine's noise is a few percent;
+scripts/bench_startup.py --steps keeps measuring it). A lax.scan over stacked weights
+compiled as fast but copied each layer's weights out of the stack on XLA:CPU (+30% per
+decode step), and would put every cache in one buffer that the loop reads while updating
+(openxla/xla#45912).
 
 Each layer call takes its layers' (k_cache, v_cache) pairs as donated arguments and returns
 them, so XLA updates the caches in place (no second cache-sized buffer; tests check the
@@ -28,7 +30,9 @@ token bucket), which `num_compilations` counts so a test can prove it.
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 
 import jax
 import numpy as np
@@ -47,9 +51,9 @@ MAX_AUTO_BLOCKS = 1 << 18
 
 
 def layers_per_program(num_layers: int) -> int:
-    """Consecutive layers one compiled layer program runs: 2 or 3 when they divide num_layers
-    (every call then runs the same program), else 1 (see the module docstring for the cost)."""
-    return next((k for k in (2, 3) if num_layers % k == 0), 1)
+    """Consecutive layers one compiled layer program runs: the largest of 6..2 that divides
+    num_layers (every call then runs the same program), else 1 (module docstring: the costs)."""
+    return next((k for k in (6, 5, 4, 3, 2) if num_layers % k == 0), 1)
 
 
 def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_memory_bytes=None,
@@ -78,6 +82,17 @@ def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_m
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return max(2, min(int(free * gpu_memory_utilization) // per_block, MAX_AUTO_BLOCKS))
     return max_num_seqs * -(-max_model_len // block_size) + 1
+
+
+# Runners whose warm-up thread may still run: at exit each one finishes the bucket it is
+# compiling and drops the rest, so the interpreter never stops mid-compilation.
+_WARMING_UP: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_warm_ups() -> None:
+    for runner in list(_WARMING_UP):
+        runner.stop_warm_up()
 
 
 class ModelRunner:
@@ -125,7 +140,11 @@ class ModelRunner:
         self._cond = threading.Condition()
         self._queue: list[tuple[int, int]] = []  # shapes the warm-up thread compiles next, in order
         self._thread: threading.Thread | None = None
+        self._warming_up = False  # the warm-up thread takes shapes from _queue (set under _cond)
         self._error: BaseException | None = None
+        k = self.layers_per_program
+        # Shapes only: the warm-up thread must not read the live caches the steps donate.
+        self._abstract_caches = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv_caches[:k])
 
     # the three programs of a step (traced once per shape, at compile time)
     def _model(self, head_params):
@@ -160,7 +179,7 @@ class ModelRunner:
         x = jax.eval_shape(self._embed_fn, abstract(self.head_params), inputs.model.token_ids)
         k = self.layers_per_program
         layer = jax.jit(self._layer_fn, donate_argnums=(2,)).lower(
-            abstract(self.layer_params[:k]), x, abstract(self.kv_caches[:k]), inputs.model.positions,
+            abstract(self.layer_params[:k]), x, self._abstract_caches, inputs.model.positions,
             inputs.attention).compile()
         head = jax.jit(self._head_fn).lower(abstract(self.head_params), x, inputs).compile()
         return embed, layer, head
@@ -169,12 +188,12 @@ class ModelRunner:
         """The compiled programs of a shape: ready, compiled by the warm-up thread next (this
         thread waits), or, with no warm-up thread running, compiled here."""
         with self._cond:
-            if shape not in self._programs and self._thread is not None and self._thread.is_alive():
+            if shape not in self._programs and self._warming_up:
                 if shape in self._queue:
                     self._queue.remove(shape)
                 self._queue.insert(0, shape)
                 self._cond.notify_all()
-                while shape not in self._programs and self._error is None and self._thread.is_alive():
+                while shape not in self._programs and self._error is None and self._warming_up:
                     self._cond.wait()
                 if self._error is not None:
                     raise RuntimeError("compiling a bucket on the warm-up thread failed") from self._error
@@ -273,10 +292,12 @@ class ModelRunner:
                 progress()
         with self._cond:
             self._queue = [shape for shape in shapes if shape not in self._programs]
-            if not self._queue or (self._thread is not None and self._thread.is_alive()):
+            if not self._queue or self._warming_up:
                 return
+            self._warming_up = True
             self._thread = threading.Thread(target=self._warm_up_thread, args=(progress,),
                                             name="paged-jax-warm-up", daemon=True)
+            _WARMING_UP.add(self)
             self._thread.start()
 
     def _warm_up_thread(self, progress) -> None:
@@ -294,9 +315,11 @@ class ModelRunner:
         except BaseException as error:  # handed to the step waiting for a bucket
             with self._cond:
                 self._error = error
-                raise
+            raise
         finally:
+            # Cleared under the lock before waking waiters, so none waits on a finished thread.
             with self._cond:
+                self._warming_up = False
                 self._cond.notify_all()
 
     def wait_warm_up(self) -> None:
