@@ -13,8 +13,8 @@ layout).
 
 One (k_cache, v_cache) pair per layer, and no lax.scan over stacked caches: a donated
 buffer read inside a loop can get a full-size temporary copy (openxla/xla#45912). The
-runner compiles one layer and calls it per layer instead (paged_jax/runner.py says why: a
-scan over stacked weights measured 30% slower steps on CPU).
+runner compiles a program of a few layers and calls it per group instead (paged_jax/runner.py
+says why: a scan over stacked weights measured 30% slower steps on CPU).
 """
 
 from __future__ import annotations

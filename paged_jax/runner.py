@@ -124,7 +124,7 @@ class ModelRunner:
         self.token_buckets = scheduler_config.token_buckets
         self.seq_buckets = scheduler_config.seq_buckets
         # The layers' weights stay one buffer per layer (no stacked copy); every layer has
-        # the graph of layer 0, so one compiled program serves them all.
+        # the graph of layer 0, so one compiled program serves every group of them.
         self._layer_graphdef = nnx.graphdef(model.layers[0])
         if any(nnx.graphdef(layer) != self._layer_graphdef for layer in model.layers):
             raise ValueError("the model's layers differ in structure; one compiled layer program needs them alike")
