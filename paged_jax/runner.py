@@ -1,13 +1,38 @@
-"""The device side of the engine: weights, KV caches and one jitted step per bucket.
+"""The device side of the engine: weights, KV caches and the compiled step of each bucket.
 
-The step takes the whole KV pytree as a donated argument and returns it, so XLA updates the
-caches in place (no second cache-sized buffer; tests check the compiled executable). Shapes
-are bucketed by token count and sequence count (block-table width is fixed), every reachable
-bucket is compiled in warm_up(), and `num_compilations` counts traces so a test can prove
-that serving compiles nothing new.
+A step is three compiled programs per bucket (token count T, sequence count S; the block
+table width is fixed): `embed`, one `layer` program of a few consecutive decoder layers
+(layers_per_program, up to 6) called once per group of layers, and `head` (final norm,
+logits of the sampled rows, sampling). Compiling a few layers instead of a program with
+every layer unrolled is what makes start-up fast (SmolLM2-135M shape, f32, 2 busy CPU cores:
+1.4 s a bucket for 1 layer, 1.5 for 2, 1.7 for 3, 2.0 for 5, 6-7 s for all 30 unrolled).
+Each call costs a little on the host and in the runtime, so groups are as large as divide
+the layer count up to 6: steps measured against the unrolled program, alternating runs
+(decode 8 / decode 32 / mixed): 1 layer a program 1.08 (decode 32); 2 layers 1.03-1.04 /
+1.05 / 1.04-1.05; 6 layers 1.00 / 1.05 / 1.01 (this machine's noise is a few percent;
+scripts/bench_startup.py --steps keeps measuring it). A lax.scan over stacked weights
+compiled as fast but copied each layer's weights out of the stack on XLA:CPU (+30% per
+decode step), and would put every cache in one buffer that the loop reads while updating
+(openxla/xla#45912).
+
+Each layer call takes its layers' (k_cache, v_cache) pairs as donated arguments and returns
+them, so XLA updates the caches in place (no second cache-sized buffer; tests check the
+compiled executables). StepInputs crosses to the device once per step; the calls share it.
+
+Compilation (`warm_up`, `start_warm_up`): a bucket's programs are compiled ahead of time,
+smallest bucket first; all buckets before serving (warm_up()), or the smallest one now and
+the rest on a background thread (start_warm_up()). In the second case the serving thread
+never compiles: `choose_shape` pads a step up to the smallest compiled bucket that fits,
+and a step with none waits for the warm-up thread to compile its bucket next. Either way
+at most one set of programs per bucket_shapes() entry is ever compiled (plus one embed per
+token bucket), which `num_compilations` counts so a test can prove it.
 """
 
 from __future__ import annotations
+
+import atexit
+import threading
+import weakref
 
 import jax
 import numpy as np
@@ -23,6 +48,12 @@ from paged_jax.sampler import sample
 # host keeps one Python object per block, and only tiny models on big GPUs reach it (a
 # Llama-3.1-8B in 100 GB of bf16 KV is ~50k blocks).
 MAX_AUTO_BLOCKS = 1 << 18
+
+
+def layers_per_program(num_layers: int) -> int:
+    """Consecutive layers one compiled layer program runs: the largest of 6..2 that divides
+    num_layers (every call then runs the same program), else 1 (module docstring: the costs)."""
+    return next((k for k in (6, 5, 4, 3, 2) if num_layers % k == 0), 1)
 
 
 def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_memory_bytes=None,
@@ -53,12 +84,24 @@ def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_m
     return max_num_seqs * -(-max_model_len // block_size) + 1
 
 
+# Runners whose warm-up thread may still run: at exit each one finishes the bucket it is
+# compiling and drops the rest, so the interpreter never stops mid-compilation.
+_WARMING_UP: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_warm_ups() -> None:
+    for runner in list(_WARMING_UP):
+        runner.stop_warm_up()
+
+
 class ModelRunner:
-    """Owns the weights and the KV caches on device and runs one jitted step.
+    """Owns the weights and the KV caches on device and runs one step per call.
 
     Args:
-      model: a registered model (models/registry.py); its state is split off once and its
-        graph is static.
+      model: a registered model (models/registry.py): `embed`, `layers` (modules of one
+        graph, each called as layer(x, positions, layer_cache, attn_metadata, attention)) and
+        `compute_logits`; its state is split off once and its graph is static.
       cache_config: block_size, num_blocks (null block included), max_model_len.
       scheduler_config: the step limits, whose buckets are the compiled shapes.
       attention_impl: "xla", "pallas" or None (pallas on GPU, xla elsewhere); interpret runs
@@ -80,19 +123,106 @@ class ModelRunner:
         self.attention_impl = self.attention.name
         self.token_buckets = scheduler_config.token_buckets
         self.seq_buckets = scheduler_config.seq_buckets
-        self.graphdef, self.params = nnx.split(model)
+        # The layers' weights stay one buffer per layer (no stacked copy); every layer has
+        # the graph of layer 0, so one compiled program serves every group of them.
+        self._layer_graphdef = nnx.graphdef(model.layers[0])
+        if any(nnx.graphdef(layer) != self._layer_graphdef for layer in model.layers):
+            raise ValueError("the model's layers differ in structure; one compiled layer program needs them alike")
+        self.layers_per_program = layers_per_program(len(model.layers))
+        self.layer_params = [nnx.state(layer) for layer in model.layers]
+        self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
         self.kv_caches = init_kv_caches(specs, cache_config.num_blocks, cache_config.block_size)
         self.kv_cache_bytes = sum(a.nbytes for a in jax.tree.leaves(self.kv_caches))
-        self.num_compilations = 0
+        self.num_compilations = 0  # bucket shapes compiled (each: a layer and a head program)
         self.num_steps = 0
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        self._embed_programs: dict[int, object] = {}
+        self._programs: dict[tuple[int, int], tuple] = {}  # (T, S) -> (embed, layer, head), all compiled
+        self._cond = threading.Condition()
+        self._queue: list[tuple[int, int]] = []  # shapes the warm-up thread compiles next, in order
+        self._thread: threading.Thread | None = None
+        self._warming_up = False  # the warm-up thread takes shapes from _queue (set under _cond)
+        self._error: BaseException | None = None
+        k = self.layers_per_program
+        # Shapes only: the warm-up thread must not read the live caches the steps donate.
+        self._abstract_caches = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv_caches[:k])
 
-    def _step_fn(self, params, kv_caches, inputs: StepInputs):
-        self.num_compilations += 1  # Python runs here only while jax traces a new shape
-        model = nnx.merge(self.graphdef, params)
-        logits, kv_caches = model(inputs.model, kv_caches, inputs.attention, self.attention)
-        token_ids, logprobs = sample(logits, inputs.sampling)
-        return token_ids, logprobs, kv_caches
+    # the three programs of a step (traced once per shape, at compile time)
+    def _model(self, head_params):
+        # The layers' weights are merged back as concrete arrays the programs never read, so
+        # they do not become arguments or constants of the embed and head programs.
+        return nnx.merge(self.graphdef, self._all_layer_params, head_params)
+
+    def _embed_fn(self, head_params, token_ids):
+        return self._model(head_params).embed(token_ids)
+
+    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata):
+        """layers_per_program consecutive layers: their params and caches are lists."""
+        new_caches = []
+        for params, kv_cache in zip(layer_params, kv_caches):
+            layer = nnx.merge(self._layer_graphdef, params)
+            x, kv_cache = layer(x, positions, kv_cache, attn_metadata, self.attention)
+            new_caches.append(kv_cache)
+        return x, new_caches
+
+    def _head_fn(self, head_params, x, inputs: StepInputs):
+        logits = self._model(head_params).compute_logits(x, inputs.model)
+        return sample(logits, inputs.sampling)
+
+    def _compile(self, num_tokens: int, num_seqs: int) -> tuple:
+        """Lowers and compiles the three programs of one bucket (from shapes only, so the
+        warm-up thread never touches the live, donated caches)."""
+        abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)  # noqa: E731
+        inputs = abstract(self.dummy_inputs(num_tokens, num_seqs))
+        embed = self._embed_programs.get(num_tokens)
+        if embed is None:
+            embed = jax.jit(self._embed_fn).lower(abstract(self.head_params), inputs.model.token_ids).compile()
+        x = jax.eval_shape(self._embed_fn, abstract(self.head_params), inputs.model.token_ids)
+        k = self.layers_per_program
+        layer = jax.jit(self._layer_fn, donate_argnums=(2,)).lower(
+            abstract(self.layer_params[:k]), x, self._abstract_caches, inputs.model.positions,
+            inputs.attention).compile()
+        head = jax.jit(self._head_fn).lower(abstract(self.head_params), x, inputs).compile()
+        return embed, layer, head
+
+    def _programs_for(self, shape: tuple[int, int]) -> tuple:
+        """The compiled programs of a shape: ready, compiled by the warm-up thread next (this
+        thread waits), or, with no warm-up thread running, compiled here."""
+        with self._cond:
+            if shape not in self._programs and self._warming_up:
+                if shape in self._queue:
+                    self._queue.remove(shape)
+                self._queue.insert(0, shape)
+                self._cond.notify_all()
+                while shape not in self._programs and self._error is None and self._warming_up:
+                    self._cond.wait()
+                if self._error is not None:
+                    raise RuntimeError("compiling a bucket on the warm-up thread failed") from self._error
+            programs = self._programs.get(shape)
+        if programs is None:
+            programs = self._add_programs(shape)
+        return programs
+
+    def _add_programs(self, shape: tuple[int, int]) -> tuple:
+        programs = self._compile(*shape)
+        with self._cond:
+            if shape not in self._programs:
+                self._programs[shape] = programs
+                self._embed_programs.setdefault(shape[0], programs[0])
+                self.num_compilations += 1
+            self._cond.notify_all()
+            return self._programs[shape]
+
+    def choose_shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The padded (T, S) of a step of num_tokens tokens over num_seqs sequences: the
+        smallest compiled bucket that fits (fewest tokens, then fewest sequences), else the
+        smallest bucket that fits (whose compilation the step will wait for)."""
+        t = next(b for b in self.token_buckets if b >= num_tokens)
+        s = next(b for b in self.seq_buckets if b >= num_seqs)
+        with self._cond:
+            if (t, s) in self._programs:
+                return t, s
+            fitting = [shape for shape in self._programs if shape[0] >= num_tokens and shape[1] >= num_seqs]
+        return min(fitting) if fitting else (t, s)
 
     def execute(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step; returns (sampled token ids i32[S], their logprobs f32[S]) on the host.
@@ -102,12 +232,21 @@ class ModelRunner:
         """
         if inputs.num_seqs == 0:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
-        token_ids, logprobs, self.kv_caches = self._step(self.params, self.kv_caches, inputs)
+        embed, layer, head = self._programs_for((inputs.model.token_ids.shape[0],
+                                                 inputs.attention.block_tables.shape[0]))
+        inputs = jax.device_put(inputs)  # once: every layer call reads the same device arrays
+        x = embed(self.head_params, inputs.model.token_ids)
+        kv_caches, k = self.kv_caches, self.layers_per_program
+        for i in range(0, len(kv_caches), k):
+            x, kv_caches[i : i + k] = layer(self.layer_params[i : i + k], x, kv_caches[i : i + k],
+                                            inputs.model.positions, inputs.attention)
+        token_ids, logprobs = head(self.head_params, x, inputs)
         self.num_steps += 1
         return np.asarray(token_ids), np.asarray(logprobs)
 
     def bucket_shapes(self) -> list[tuple[int, int]]:
-        """Every (token bucket, sequence bucket) a step can land in (SchedulerConfig.bucket_shapes)."""
+        """Every (token bucket, sequence bucket) a step can land in (SchedulerConfig.bucket_shapes),
+        smallest first: the warm-up order."""
         return self.scheduler_config.bucket_shapes()
 
     def dummy_inputs(self, num_tokens: int, num_seqs: int) -> StepInputs:
@@ -126,22 +265,88 @@ class ModelRunner:
             SamplingMetadata(temperature=np.ones(s, np.float32), top_k=np.full(s, 8, np.int32),
                              top_p=np.full(s, 0.9, np.float32), rng_keys=np.zeros((s, 2), np.uint32)),
         )
-    def warm_up(self, progress=None) -> int:
-        """Compiles every bucket (one padded step each; they only touch the null block).
 
-        Returns the number of shapes compiled. `progress`, if given, is called after each.
+    # warm-up
+    def warm_up(self, progress=None) -> int:
+        """Compiles every bucket now, smallest first (waiting for a running warm-up thread).
+
+        Returns the number of shapes. `progress`, if given, is called after each.
         """
         shapes = self.bucket_shapes()
-        for t, s in shapes:
-            _, _, self.kv_caches = self._step(self.params, self.kv_caches, self.dummy_inputs(t, s))
+        for shape in shapes:
+            self._programs_for(shape)
             if progress is not None:
                 progress()
-        jax.block_until_ready(self.kv_caches)
         return len(shapes)
 
-    def compiled_memory(self, num_tokens: int, num_seqs: int):
-        """The compiled step's memory analysis for one bucket (tests use it to show that the
-        donated caches are updated in place)."""
-        lowered = self._step.lower(self.params, self.kv_caches, self.dummy_inputs(num_tokens, num_seqs))
-        return lowered.compile().memory_analysis()
+    def start_warm_up(self, num_first: int = 1, progress=None) -> None:
+        """Compiles the smallest num_first buckets now and the others on a background thread,
+        smallest first, while steps run (a step whose bucket is not compiled yet pads up to
+        a compiled one, or waits for its own, which is compiled next). `progress`, if given,
+        is called after each bucket, from either thread. wait_warm_up() joins the thread.
+        """
+        shapes = self.bucket_shapes()
+        for shape in shapes[:num_first]:
+            self._programs_for(shape)
+            if progress is not None:
+                progress()
+        with self._cond:
+            self._queue = [shape for shape in shapes if shape not in self._programs]
+            if not self._queue or self._warming_up:
+                return
+            self._warming_up = True
+            self._thread = threading.Thread(target=self._warm_up_thread, args=(progress,),
+                                            name="paged-jax-warm-up", daemon=True)
+            _WARMING_UP.add(self)
+            self._thread.start()
 
+    def _warm_up_thread(self, progress) -> None:
+        try:
+            while True:
+                with self._cond:
+                    if not self._queue:
+                        return
+                    shape = self._queue.pop(0)
+                    if shape in self._programs:
+                        continue
+                self._add_programs(shape)
+                if progress is not None:
+                    progress()
+        except BaseException as error:  # handed to the step waiting for a bucket
+            with self._cond:
+                self._error = error
+            raise
+        finally:
+            # Cleared under the lock before waking waiters, so none waits on a finished thread.
+            with self._cond:
+                self._warming_up = False
+                self._cond.notify_all()
+
+    def wait_warm_up(self) -> None:
+        """Returns once the warm-up thread (if any) has compiled every bucket."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+        if self._error is not None:
+            raise RuntimeError("compiling a bucket on the warm-up thread failed") from self._error
+
+    def stop_warm_up(self) -> None:
+        """Drops the buckets not compiled yet and waits for the one being compiled (call before
+        exiting the process, so no compilation is cut off mid-way)."""
+        with self._cond:
+            self._queue.clear()
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+
+    @property
+    def num_compiled_shapes(self) -> int:
+        return len(self._programs)
+
+    def compiled_memory(self, num_tokens: int, num_seqs: int) -> dict:
+        """Memory analysis of one bucket's programs (tests use it to show that the donated caches
+        are updated in place): {"embed", "layer", "head"} -> CompiledMemoryStats. The layer
+        program runs once per group of layers_per_program layers, on their caches."""
+        embed, layer, head = self._programs_for((num_tokens, num_seqs))
+        return {"embed": embed.memory_analysis(), "layer": layer.memory_analysis(),
+                "head": head.memory_analysis()}

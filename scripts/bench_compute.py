@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     with bench_model_dir(args.model) as model_dir:
         t0 = time.perf_counter()
         engine = LLMEngine(EngineConfig(model=model_dir, dtype="float32", max_model_len=1024, max_num_seqs=64,
-                                        max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=64 * 20 + 1))
+                                        max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=64 * 20 + 1, warm_up="full"))
         warm_up_s = time.perf_counter() - t0
         result = measure_compute(engine, quick=args.quick)
     result.update(engine_load_and_warm_up_s=warm_up_s, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -45,7 +45,7 @@ def measure(args, model_dir: str, reps: int) -> int:
         engines[name] = LLMEngine(EngineConfig(
             model=model_dir, dtype="float32", max_model_len=4096, num_blocks=600, block_size=16,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            enable_prefix_caching=caching, seed=args.seed))
+            enable_prefix_caching=caching, seed=args.seed, warm_up="full"))
         warm_up_s[name] = time.perf_counter() - t0  # load + compile every bucket
     compiled = {name: e.runner.num_compilations for name, e in engines.items()}
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)

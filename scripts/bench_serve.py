@@ -37,7 +37,7 @@ from paged_jax import LLM, SamplingParams
 args = json.loads(sys.argv[1])
 flags = dict(zip(args["flags"][::2], args["flags"][1::2]))
 llm = LLM(flags["--model"], max_model_len=int(flags["--max-model-len"]), max_num_seqs=int(flags["--max-num-seqs"]),
-          max_num_batched_tokens=int(flags["--max-num-batched-tokens"]), dtype=flags["--dtype"])
+          max_num_batched_tokens=int(flags["--max-num-batched-tokens"]), dtype=flags["--dtype"], warm_up="full")
 params = SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True)
 start = time.perf_counter()
 llm.generate(args["prompts"], params, use_tqdm=False)

@@ -127,7 +127,7 @@ def jax_worker(model_dir: str, engine_args: dict, quick: bool) -> None:
     from paged_jax import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(model=model_dir, dtype="float32", **engine_args)
+    llm = LLM(model=model_dir, dtype="float32", warm_up="full", **engine_args)
     load_and_warm_up_s = time.perf_counter() - t0
     engine = llm.engine
     compiled = engine.runner.num_compilations

@@ -45,7 +45,7 @@ ENGINE_CONFIGS = {
 @functools.cache
 def big_llm() -> LLM:
     """LLM(model="tiny") through the public constructor; its weights serve every engine."""
-    return LLM("tiny", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, **ENGINE_CONFIGS["big"])
+    return LLM("tiny", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, warm_up="full", **ENGINE_CONFIGS["big"])
 
 
 @functools.cache
@@ -53,7 +53,8 @@ def get_engine(name: str) -> LLMEngine:
     if name == "big":
         return big_llm().engine
     base = big_llm().engine
-    config = EngineConfig(model="tiny", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, **ENGINE_CONFIGS[name])
+    config = EngineConfig(model="tiny", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, warm_up="full",
+                          **ENGINE_CONFIGS[name])
     return LLMEngine(config, model=base.model, tokenizer=base.tokenizer)
 
 

@@ -47,14 +47,16 @@ def test_generate_prints_completions_and_the_table(tmp_path: Path):
             rows[cells[0]] = cells[1]
     assert {"requests", "generated tok/s", "TTFT p50 (ms)", "peak KV usage", "prefix hit rate", "preemptions",
             "compilations"} <= set(rows), out
-    assert rows["requests"] == "2" and rows["preemptions"] == "0" and rows["compilations"] == "3"
+    assert rows["requests"] == "2" and rows["preemptions"] == "0"
+    # background warm-up (the default): the first bucket before generating, at most all 3
+    assert 1 <= int(rows["compilations"]) <= 3
     assert float(rows["generated tok/s"]) > 0 and rows["peak KV usage"].endswith("%")
     assert max(map(len, out.splitlines())) <= 80  # readable in an 80-column terminal
 
 
 def test_generate_json_matches_the_dense_reference():
     result = _cli("generate", "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-tokens", "8", "--ignore-eos",
-                  "--json", *ENGINE_FLAGS)
+                  "--json", "--warm-up", "full", *ENGINE_FLAGS)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]  # every stdout line is JSON
     completions, summary = records[:-1], records[-1]["summary"]

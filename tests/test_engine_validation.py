@@ -121,10 +121,25 @@ def test_generate_with_one_bad_prompt_queues_nothing(good):
     (dict(attention_impl="cuda"), r"attention_impl='cuda' must be None, 'xla' or 'pallas'"),
     (dict(dtype="float33"), r"dtype='float33' must be a float dtype"),
     (dict(dtype="int8"), r"dtype='int8' must be a float dtype"),
+    (dict(warm_up="lazy"), r"warm_up='lazy' must be one of \('background', 'full', 'none'\)"),
+    (dict(compile_cache_dir=""), r"compile_cache_dir='' must be a directory path, or None"),
+    (dict(compile_cache_dir=__file__), r"compile_cache_dir=.* is a file; give a directory"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_engine_config_warm_up_and_compile_cache_defaults(monkeypatch, tmp_path):
+    assert EngineConfig(dtype="bfloat16").dtype == "bfloat16"  # an ml_dtypes name numpy alone rejects
+    assert EngineConfig().warm_up == "background"
+    assert EngineConfig(warm_up=True).warm_up == "full" and EngineConfig(warm_up=False).warm_up == "none"
+    assert EngineConfig(compile_cache_dir=None).compile_cache_dir is None
+    monkeypatch.setenv("PAGED_JAX_COMPILE_CACHE_DIR", str(tmp_path / "moved"))
+    assert EngineConfig().compile_cache_dir == str(tmp_path / "moved")
+    monkeypatch.delenv("PAGED_JAX_COMPILE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert EngineConfig().compile_cache_dir == str(tmp_path / "paged-jax" / "xla")
 
 
 def test_max_model_len_beyond_the_model_is_rejected():

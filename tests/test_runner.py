@@ -8,17 +8,24 @@ compilation in the process whatever triggered it.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
+import threading
 
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from engine_reference import BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, get_engine, model, run_to_completion
-from models.llama import LlamaConfig
+from engine_reference import (BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, dense_greedy, get_engine, model,
+                              run_to_completion)
+from hand_step_inputs import hand_step_inputs
+from models.kv_cache_spec import init_kv_caches
+from models.llama import LlamaConfig, LlamaForCausalLM
 from paged_jax import SamplingParams
+from paged_jax.engine import EngineConfig, LLMEngine
 from paged_jax.core.config import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, CacheConfig, SchedulerConfig
-from paged_jax.runner import ModelRunner, num_blocks_for_budget
+from paged_jax.runner import ModelRunner, layers_per_program, num_blocks_for_budget
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -115,21 +122,35 @@ def test_serving_after_warm_up_compiles_nothing(backend_compiles, monkeypatch):
 
 
 def test_donated_caches_update_in_place():
-    """The compiled step aliases every cache buffer to its output, and its temporaries are
-    far smaller than the cache: no second cache-sized buffer. A copy of the step without
-    donation shows what a copy looks like (so the check can fail)."""
+    """For every bucket, the compiled layer program aliases its layers' cache buffers to its
+    outputs and its temporaries are far smaller than one layer's cache: no second cache-sized
+    buffer. The embed and head programs never see a cache. A copy of the layer program
+    without donation shows what a copy looks like (so the check can fail)."""
     runner = make_runner(4097, 8, 64)
     cache_bytes = runner.kv_cache_bytes
     config = model().config
     assert cache_bytes == 2 * config.num_layers * 4097 * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 4
-    donated = runner.compiled_memory(64, 8)
-    assert donated.alias_size_in_bytes == cache_bytes
-    assert donated.temp_size_in_bytes < cache_bytes / 4
-    assert donated.output_size_in_bytes - donated.alias_size_in_bytes < cache_bytes / 4
+    layer_cache_bytes = cache_bytes // config.num_layers
+    k = runner.layers_per_program
+    assert 1 <= k <= config.num_layers and config.num_layers % k == 0
+    assert runner.bucket_shapes() == [(16, 8), (32, 8), (64, 8)]
+    for t, s in runner.bucket_shapes():
+        memory = runner.compiled_memory(t, s)
+        layer = memory["layer"]
+        assert layer.alias_size_in_bytes == k * layer_cache_bytes, (t, s)
+        assert layer.temp_size_in_bytes < layer_cache_bytes / 4, (t, s)
+        assert layer.output_size_in_bytes - layer.alias_size_in_bytes < layer_cache_bytes / 4, (t, s)
+        for name in ("embed", "head"):
+            stats = memory[name]
+            assert stats.alias_size_in_bytes == 0 and stats.temp_size_in_bytes < layer_cache_bytes / 4, (name, t, s)
+            assert stats.argument_size_in_bytes < layer_cache_bytes / 4, (name, t, s)
 
-    copying = jax.jit(runner._step_fn).lower(runner.params, runner.kv_caches, runner.dummy_inputs(64, 8))
+    inputs = runner.dummy_inputs(64, 8)
+    x = jax.ShapeDtypeStruct((64, config.hidden_size), config.dtype)
+    copying = jax.jit(runner._layer_fn).lower(runner.layer_params[:k], x, runner.kv_caches[:k],
+                                             inputs.model.positions, inputs.attention)
     copied = copying.compile().memory_analysis()
-    assert copied.alias_size_in_bytes == 0 and copied.output_size_in_bytes >= cache_bytes
+    assert copied.alias_size_in_bytes == 0 and copied.output_size_in_bytes >= layer_cache_bytes
 
 
 def test_step_deletes_the_previous_cache_arrays():
@@ -171,3 +192,83 @@ def test_num_blocks_for_budget():
 def test_runner_rejects_unknown_attention_impl():
     with pytest.raises(ValueError, match="attention_impl='triton' must be one of"):
         make_runner(2, 1, 16, max_model_len=64, attention_impl="triton")
+
+
+def test_layers_per_program():
+    assert [layers_per_program(n) for n in (1, 2, 3, 7, 9, 16, 22, 30, 35)] == [1, 2, 3, 1, 3, 4, 2, 6, 5]
+
+
+def test_choose_shape_pads_up_to_a_compiled_bucket():
+    runner = make_runner(2, 16, 32)
+    assert runner.bucket_shapes() == [(16, 8), (16, 16), (32, 8), (32, 16)]
+    # nothing compiled: the smallest bucket that fits (the step then waits for it)
+    assert runner.choose_shape(3, 2) == (16, 8)
+    assert runner.choose_shape(17, 9) == (32, 16)
+    runner._programs[(32, 16)] = None  # stands for compiled programs: choose_shape only looks at the keys
+    assert runner.choose_shape(3, 2) == (32, 16)  # the only compiled bucket that fits
+    assert runner.choose_shape(17, 9) == (32, 16)
+    runner._programs[(16, 16)] = None
+    assert runner.choose_shape(3, 2) == (16, 16)  # fewest tokens first
+    assert runner.choose_shape(17, 2) == (32, 16)
+    runner._programs[(16, 8)] = None
+    assert runner.choose_shape(3, 2) == (16, 8)
+    assert runner.choose_shape(16, 8) == (16, 8) and runner.choose_shape(16, 9) == (16, 16)
+
+
+def test_background_warm_up_never_compiles_on_the_serving_thread():
+    """The smallest bucket compiles before the engine is ready, every other one on the warm-up
+    thread, smallest first unless a step asks for its own, while requests run; what they
+    generate is the dense reference's."""
+    base = get_engine("big")
+    config = EngineConfig(model="tiny", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, max_num_seqs=16,
+                          max_num_batched_tokens=32, warm_up="none")
+    engine = LLMEngine(config, model=base.model, tokenizer=base.tokenizer)
+    runner = engine.runner
+    assert runner.num_compilations == 0
+    compiled_on, compile_shape = [], runner._compile
+
+    def recording_compile(num_tokens, num_seqs):
+        compiled_on.append((threading.current_thread(), (num_tokens, num_seqs)))
+        return compile_shape(num_tokens, num_seqs)
+
+    runner._compile = recording_compile
+    runner.start_warm_up()
+    assert compiled_on == [(threading.main_thread(), (16, 8))] and runner.num_compilations == 1
+
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 512, n).tolist() for n in (5, 40, 17, 3, 90, 12, 33, 8, 2, 60)]
+    max_tokens = [6, 3, 9, 12, 2, 7, 5, 10, 4, 3]
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(f"bg-{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    finished = run_to_completion(engine)
+    runner.wait_warm_up()
+
+    shapes = runner.bucket_shapes()
+    assert sorted(shape for _, shape in compiled_on) == sorted(shapes)  # each bucket once
+    assert all(thread is not threading.main_thread() for thread, _ in compiled_on[1:])
+    assert runner.num_compilations == len(shapes)
+    reference, _ = dense_greedy(prompts, max_tokens)
+    assert [finished[f"bg-{i}"].token_ids for i in range(len(prompts))] == reference
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("num_layers", [3, 7])  # 3 layers a program; 1 layer a program
+def test_grouped_layer_programs_match_the_model(num_layers):
+    """Two steps (a prefill, then a decode reading its cache) through the runner's programs give
+    the logprobs of the model's own forward (all layers in one call, tested against dense
+    attention in test_llama.py), for layer counts that group differently."""
+    config = dataclasses.replace(model().config, num_layers=num_layers)
+    llama = LlamaForCausalLM(config, rngs=nnx.Rngs(3))
+    runner = ModelRunner(llama, CacheConfig(BLOCK_SIZE, 9, 64), SchedulerConfig(8, 16, 64))
+    assert runner.layers_per_program == (3 if num_layers == 3 else 1)
+    caches = init_kv_caches(llama.kv_cache_specs(), 9, BLOCK_SIZE)
+    reference = jax.jit(lambda inputs, caches: llama(inputs.model, caches, inputs.attention, runner.attention))
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, 20)
+    width = runner.cache_config.max_blocks_per_seq
+    for start, end in ((0, 13), (13, 14)):
+        inputs = hand_step_inputs([(tokens, [4, 2], start, end)], BLOCK_SIZE, width, 16, 8)
+        token_ids, logprobs = runner.execute(inputs)
+        logits, caches = reference(inputs, caches)
+        log_softmax = np.asarray(jax.nn.log_softmax(logits[0]))
+        assert token_ids[0] == int(np.argmax(log_softmax)), (start, end)  # greedy row
+        np.testing.assert_allclose(logprobs[0], log_softmax[token_ids[0]], rtol=1e-5, atol=1e-5)

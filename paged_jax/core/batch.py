@@ -45,7 +45,11 @@ class StepInputsBuilder:
     Unseeded requests get a random seed once, kept across preemption until they finish.
     """
 
-    def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig, seed: int | None = None):
+    def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig, seed: int | None = None,
+                 choose_shape=None):
+        # (num_tokens, num_seqs) -> the padded (T, S) to build, >= both; None: the smallest
+        # buckets that fit. The runner passes one that prefers buckets already compiled.
+        self.choose_shape = choose_shape
         self.block_size = cache_config.block_size
         self.max_blocks_per_seq = cache_config.max_blocks_per_seq
         self.token_buckets = scheduler_config.token_buckets
@@ -147,8 +151,13 @@ class StepInputsBuilder:
 
     def _assemble(self, rows, token_ids, num_computed, num_scheduled) -> StepInputs:
         num_seqs, num_tokens = len(rows), len(token_ids)
-        s_pad = _pick_bucket(self.seq_buckets, num_seqs, "sequences")
-        t_pad = _pick_bucket(self.token_buckets, num_tokens, "tokens")
+        if self.choose_shape is not None:
+            t_pad, s_pad = self.choose_shape(num_tokens, num_seqs)
+            assert t_pad >= num_tokens and s_pad >= num_seqs, f"choose_shape gave {(t_pad, s_pad)} for " \
+                f"{num_tokens} tokens of {num_seqs} sequences"
+        else:
+            s_pad = _pick_bucket(self.seq_buckets, num_seqs, "sequences")
+            t_pad = _pick_bucket(self.token_buckets, num_tokens, "tokens")
         bs = self.block_size
         rows = np.asarray(rows, np.intp)
         computed = np.asarray(num_computed, np.int32)

@@ -1,0 +1,60 @@
+"""jax's persistent compilation cache, turned on by the engine (EngineConfig.compile_cache_dir).
+
+A second process that asks for the same buckets of the same model loads their executables
+from disk instead of compiling them (SmolLM2-135M: ~3 s a bucket cold; see
+scripts/bench_startup.py for warm). The setting is process-wide in jax: the first engine that
+names a directory sets it, and an engine naming another one later gets a ValueError rather
+than silently sharing the first one's. None leaves jax's own setting alone (off unless the
+user turned it on, e.g. with JAX_COMPILATION_CACHE_DIR). Imports jax only when enabling.
+"""
+
+from __future__ import annotations
+
+import os
+
+# How the engine compiles its buckets (EngineConfig.warm_up): "background" compiles the
+# smallest bucket before the engine is ready and the others on a thread while it serves (the
+# serving thread never compiles); "full" every bucket before it is ready (servers that want
+# no padded-up steps); "none" each bucket on the first step that needs it.
+WARM_UP_MODES = ("background", "full", "none")
+
+# Overrides the default directory (a shared or faster disk, a CI cache), without code.
+COMPILE_CACHE_ENV = "PAGED_JAX_COMPILE_CACHE_DIR"
+
+
+def default_compile_cache_dir() -> str:
+    """$PAGED_JAX_COMPILE_CACHE_DIR, else $XDG_CACHE_HOME/paged-jax/xla (~/.cache/paged-jax/xla)."""
+    if os.environ.get(COMPILE_CACHE_ENV):
+        return os.environ[COMPILE_CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "paged-jax", "xla")
+
+
+def check_compile_cache_dir(path) -> None:
+    """ValueError naming the fix unless path is None or a usable directory name."""
+    if path is None:
+        return
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"compile_cache_dir={path!r} must be a directory path, or None to leave jax's "
+                         "compilation cache off")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"compile_cache_dir={os.fspath(path)!r} is a file; give a directory (it is created "
+                         "if missing), or None to turn the cache off")
+
+
+def enable_compile_cache(path) -> None:
+    """Points jax's persistent compilation cache at `path` (None: leave jax's setting alone)."""
+    if path is None:
+        return
+    import jax
+
+    path = os.path.abspath(os.fspath(path))
+    current = jax.config.jax_compilation_cache_dir
+    if current and os.path.abspath(current) != path:
+        raise ValueError(f"compile_cache_dir={path!r}, but this process already caches compilations in "
+                         f"{current!r} (jax's setting is process-wide); pass that directory or None")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Every bucket, even a tiny model's sub-second one, is worth keeping.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
