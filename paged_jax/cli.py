@@ -48,6 +48,9 @@ def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64,
     m.add_argument("--warm-up", choices=WARM_UP_MODES, default=default_warm_up,
                    help="background: start after the smallest bucket, compile the rest while generating; "
                         "full: compile every bucket first; none: each on first use (default: %(default)s)")
+    m.add_argument("--layers-per-program", type=int, default=None,
+                   help="decoder layers per compiled program (default: up to 6, fast start-up); the layer "
+                        "count compiles the whole stack as one program, for the fastest steps")
     m.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file for chat requests (default: the model's own)")
 
@@ -159,7 +162,7 @@ def _make_llm(args, progress: Progress):
                max_num_batched_tokens=args.max_num_batched_tokens,
                enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl,
                warm_up=args.warm_up, compile_cache_dir=None if args.no_compile_cache else args.compile_cache_dir,
-               warm_up_progress=compiled)
+               layers_per_program=args.layers_per_program, warm_up_progress=compiled)
 
 
 def _progress(console: Console, show: bool = True) -> Progress:

@@ -50,7 +50,7 @@ from paged_jax.sampler import sample
 MAX_AUTO_BLOCKS = 1 << 18
 
 
-def layers_per_program(num_layers: int) -> int:
+def _default_layers_per_program(num_layers: int) -> int:
     """Consecutive layers one compiled layer program runs: the largest of 6..2 that divides
     num_layers (every call then runs the same program), else 1 (module docstring: the costs)."""
     return next((k for k in (6, 5, 4, 3, 2) if num_layers % k == 0), 1)
@@ -107,10 +107,14 @@ class ModelRunner:
       attention_impl: "xla", "pallas" or None (pallas on GPU, xla elsewhere); interpret runs
         the Pallas kernel in interpret mode. Turned into one backend for the model's cache spec.
       kv_cache_dtype: defaults to the model's compute dtype.
+      layers_per_program: decoder layers one compiled program runs (a divisor of the layer
+        count); None: _default_layers_per_program(num_layers). The layer count itself compiles the
+        whole stack into one program: the old step time, at the old compile time per bucket.
     """
 
     def __init__(self, model, cache_config: CacheConfig, scheduler_config: SchedulerConfig, *,
-                 attention_impl: str | None = None, interpret: bool = False, kv_cache_dtype=None):
+                 attention_impl: str | None = None, interpret: bool = False, kv_cache_dtype=None,
+                 layers_per_program: int | None = None):
         self.config = model.config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
@@ -128,7 +132,13 @@ class ModelRunner:
         self._layer_graphdef = nnx.graphdef(model.layers[0])
         if any(nnx.graphdef(layer) != self._layer_graphdef for layer in model.layers):
             raise ValueError("the model's layers differ in structure; one compiled layer program needs them alike")
-        self.layers_per_program = layers_per_program(len(model.layers))
+        num_layers = len(model.layers)
+        if layers_per_program is None:
+            layers_per_program = _default_layers_per_program(num_layers)
+        if not 1 <= layers_per_program <= num_layers or num_layers % layers_per_program:
+            raise ValueError(f"layers_per_program={layers_per_program} must divide the model's {num_layers} layers "
+                             f"(1..{num_layers}; {num_layers} compiles them all into one program), or be None")
+        self.layers_per_program = layers_per_program
         self.layer_params = [nnx.state(layer) for layer in model.layers]
         self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
         self.kv_caches = init_kv_caches(specs, cache_config.num_blocks, cache_config.block_size)

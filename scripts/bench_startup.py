@@ -69,13 +69,14 @@ def make_checkpoint(name: str, path: str) -> None:
     shutil.copy(REPO / "paged_jax" / "core" / "assets" / "tokenizer.json", os.path.join(path, "tokenizer.json"))
 
 
-def measure_start(model: str, name: str, cache_dir: str, warm_up: str) -> dict:
+def measure_start(model: str, name: str, cache_dir: str, warm_up: str, layers_per_program: int | None = None) -> dict:
     """One start-up, in this (fresh) process."""
     t0 = time.perf_counter()
     from paged_jax import LLM, SamplingParams
 
     imported = time.perf_counter()
-    llm = LLM(model, compile_cache_dir=cache_dir, warm_up=warm_up, **ENGINE_ARGS[name])
+    llm = LLM(model, compile_cache_dir=cache_dir, warm_up=warm_up, layers_per_program=layers_per_program,
+              **ENGINE_ARGS[name])
     ready = time.perf_counter()
     llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     first_token = time.perf_counter()
@@ -126,7 +127,7 @@ def _step_inputs(runner, q_lens, seq_lens, num_tokens, num_seqs):
                          top_p=np.ones(num_seqs, np.float32), rng_keys=np.zeros((num_seqs, 2), np.uint32)))
 
 
-def measure_steps(reps: int) -> dict:
+def measure_steps(reps: int, layers_per_program: int | None = None) -> dict:
     """Runner step vs the unrolled one-program step (today's), alternating, same weights."""
     import dataclasses
 
@@ -146,7 +147,8 @@ def measure_steps(reps: int) -> dict:
     config = dataclasses.replace(PRESETS["tiny"], **shape, dtype=dtype, param_dtype=dtype)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
     num_blocks = 1 + 32 * 40  # 32 sequences of up to 640 tokens
-    runner = ModelRunner(model, CacheConfig(16, num_blocks, 2048), SchedulerConfig(32, 512, 2048))
+    runner = ModelRunner(model, CacheConfig(16, num_blocks, 2048), SchedulerConfig(32, 512, 2048),
+                         layers_per_program=layers_per_program)
     graphdef, params = nnx.split(model)
     attention = runner.attention
 
@@ -190,9 +192,9 @@ def _child(args) -> None:
         make_checkpoint(args.model_name, args.model_path)
         return
     if args.child == "steps":
-        result = measure_steps(args.reps)
+        result = measure_steps(args.reps, args.layers_per_program)
     else:
-        result = measure_start(args.model_path, args.model_name, args.cache_dir, args.warm_up)
+        result = measure_start(args.model_path, args.model_name, args.cache_dir, args.warm_up, args.layers_per_program)
     print("RESULT " + json.dumps(result))
 
 
@@ -212,6 +214,8 @@ def main() -> None:
     parser.add_argument("--warm-up", default="background", choices=["background", "full", "none"])
     parser.add_argument("--steps", action="store_true", help="also time steps against the unrolled program")
     parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--layers-per-program", type=int, default=None,
+                        help="EngineConfig.layers_per_program for the start-up runs and the steps (default: auto)")
     parser.add_argument("--out", default=str(REPO / "results" / "bench_startup.json"))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model-name", help=argparse.SUPPRESS)
@@ -222,7 +226,9 @@ def main() -> None:
         _child(args)
         return
 
-    result = {"machine": machine_info(), "command": command_line(), "warm_up": args.warm_up, "start": {}}
+    layers_flag = [] if args.layers_per_program is None else ["--layers-per-program", str(args.layers_per_program)]
+    result = {"machine": machine_info(), "command": command_line(), "warm_up": args.warm_up,
+              "layers_per_program": args.layers_per_program, "start": {}}
     rows = []
     with tempfile.TemporaryDirectory(prefix="paged_jax_bench_startup_") as tmp:
         for name in args.models:
@@ -233,7 +239,7 @@ def main() -> None:
             cache_dir = os.path.join(tmp, f"xla-{name}")
             for phase in ("cold", "warm"):
                 r = _run_child("--child", "start", "--model-name", name, "--model-path", path, "--cache-dir",
-                               cache_dir, "--warm-up", args.warm_up)
+                               cache_dir, "--warm-up", args.warm_up, *layers_flag)
                 result["start"][f"{name}/{phase}"] = r
                 rows.append([name, phase, f"{r['ready_s']:.1f}", f"{r['ttft_after_ready_s']:.2f}",
                              f"{r['all_buckets_s']:.1f}", str(r["num_buckets"]), f"{r['import_s']:.1f}"])
@@ -242,7 +248,7 @@ def main() -> None:
                 ["model", "cache", "ready", "1st token after ready", "all buckets", "buckets", "of which import"],
                 rows)
     if args.steps:
-        steps = _run_child("--child", "steps", "--reps", str(args.reps))
+        steps = _run_child("--child", "steps", "--reps", str(args.reps), *layers_flag)
         result["steps"] = steps
         print_table("step time, ms (median, alternating runs; SmolLM2-135M shape, f32)",
                     ["batch", "runner (layer-group programs)", "unrolled program", "ratio"],

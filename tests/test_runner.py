@@ -25,7 +25,8 @@ from models.llama import LlamaConfig, LlamaForCausalLM
 from paged_jax import SamplingParams
 from paged_jax.engine import EngineConfig, LLMEngine
 from paged_jax.core.config import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, CacheConfig, SchedulerConfig
-from paged_jax.runner import ModelRunner, layers_per_program, num_blocks_for_budget
+from paged_jax.runner import ModelRunner, num_blocks_for_budget
+from paged_jax.runner import _default_layers_per_program as layers_per_program
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -252,15 +253,16 @@ def test_background_warm_up_never_compiles_on_the_serving_thread():
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("num_layers", [3, 7])  # 3 layers a program; 1 layer a program
-def test_grouped_layer_programs_match_the_model(num_layers):
+@pytest.mark.parametrize("num_layers, per_program", [(3, None), (7, None), (4, 4)])  # 3, 1, and all 4 a program
+def test_grouped_layer_programs_match_the_model(num_layers, per_program):
     """Two steps (a prefill, then a decode reading its cache) through the runner's programs give
     the logprobs of the model's own forward (all layers in one call, tested against dense
     attention in test_llama.py), for layer counts that group differently."""
     config = dataclasses.replace(model().config, num_layers=num_layers)
     llama = LlamaForCausalLM(config, rngs=nnx.Rngs(3))
-    runner = ModelRunner(llama, CacheConfig(BLOCK_SIZE, 9, 64), SchedulerConfig(8, 16, 64))
-    assert runner.layers_per_program == (3 if num_layers == 3 else 1)
+    runner = ModelRunner(llama, CacheConfig(BLOCK_SIZE, 9, 64), SchedulerConfig(8, 16, 64),
+                         layers_per_program=per_program)
+    assert runner.layers_per_program == {3: 3, 7: 1, 4: 4}[num_layers]
     caches = init_kv_caches(llama.kv_cache_specs(), 9, BLOCK_SIZE)
     reference = jax.jit(lambda inputs, caches: llama(inputs.model, caches, inputs.attention, runner.attention))
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 20)
@@ -272,3 +274,8 @@ def test_grouped_layer_programs_match_the_model(num_layers):
         log_softmax = np.asarray(jax.nn.log_softmax(logits[0]))
         assert token_ids[0] == int(np.argmax(log_softmax)), (start, end)  # greedy row
         np.testing.assert_allclose(logprobs[0], log_softmax[token_ids[0]], rtol=1e-5, atol=1e-5)
+
+
+def test_layers_per_program_must_divide_the_layers():
+    with pytest.raises(ValueError, match="layers_per_program=3 must divide the model's 2 layers"):
+        ModelRunner(model(), CacheConfig(BLOCK_SIZE, 9, 64), SchedulerConfig(8, 16, 64), layers_per_program=3)
