@@ -3,6 +3,7 @@ cache carrying a conversation from one turn to the next."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -81,3 +82,19 @@ def test_chat_cli_streams_turns_and_reuses_the_first_turn(tmp_path):
     hit, prompt = stats[1].split("prefix cache hit ")[1].split(" prompt tokens")[0].split("/")
     # turn 1 = ~20 prompt + 40 reply tokens: its full 16-token blocks come back from the cache
     assert int(hit) >= 48 and int(hit) < int(prompt), stats[1]
+
+
+def test_generate_chat_cli_prints_the_question_and_llm_chat_tokens(tmp_path):
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run([sys.executable, "-m", "paged_jax", "generate", "--chat", "--chat-template", str(template),
+                          "--prompt", "Hello there", "--max-tokens", "6", "--ignore-eos", "--max-model-len", "256",
+                          "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--json"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr
+    line = json.loads(run.stdout.splitlines()[0])
+    ref = big_llm().chat([{"role": "user", "content": "Hello there"}],
+                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), chat_template=CHATML,
+                         use_tqdm=False)[0]
+    assert line["prompt"] == "Hello there" and line["token_ids"] == ref.token_ids
