@@ -14,7 +14,6 @@ the xla path over consecutive pages and the last one is the cost of paging alone
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os

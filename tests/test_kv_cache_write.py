@@ -1,6 +1,5 @@
 """write_kv_cache: only the addressed slots change, and a donated cache is updated in place."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -5,7 +5,6 @@ padding to token and sequence buckets) must give the logits of the dense causal 
 which shares only the weights with it.
 """
 
-import dataclasses
 import functools
 import math
 
