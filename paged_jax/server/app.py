@@ -95,14 +95,12 @@ def _sse(payload) -> str:
 
 def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, max_model_len: int,
               chat_prompt: Callable, api_key: str | None = None,
-              metrics=None, default_max_tokens: int | None = None) -> FastAPI:
+              metrics=None) -> FastAPI:
     """The FastAPI app over a started (or to be started) AsyncEngine.
 
     Args:
       chat_prompt: (messages, add_generation_prompt, sampling_params) -> (prompt token ids,
         sampling_params that also stop at the end of the turn) (LLMEngine.chat_prompt).
-      default_max_tokens: max_tokens of a chat request that gives none (default: what is
-        left of max_model_len after the prompt).
     """
     app = FastAPI(title="paged-jax", docs_url=None, redoc_url=None)
 
@@ -161,8 +159,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, max
                 "total_tokens": delta.num_prompt_tokens + num_tokens,
                 "prompt_tokens_details": {"cached_tokens": delta.num_cached_tokens}}
 
-    async def run_request(raw: Request, request_id: str, prompt, params, stop, stream: bool, make_chunk,
-                          make_final):
+    async def run_request(raw: Request, request_id: str, prompt, params, stop, stream: bool, include_usage: bool,
+                          make_chunk, make_final):
         """Streams (SSE) or collects one request.
 
         make_chunk(text, token_ids, logprobs, finish_reason) -> a chunk payload (or None to skip);
@@ -195,15 +193,13 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, max
                         chunk = make_chunk(text, ids, logprobs, finish)
                         if chunk is not None:
                             yield _sse(chunk)
-                        if finish is not None and stream_usage.get(request_id):
+                        if finish is not None and include_usage:
                             yield _sse(make_chunk(None, (), None, None) | {"choices": [],
                                                                            "usage": usage(delta, num_tokens)})
                     yield "data: [DONE]\n\n"
                 except RuntimeError as error:
                     yield _sse({"error": {"message": str(error), "type": "server_error", "param": None,
                                           "code": 500}})
-                finally:
-                    stream_usage.pop(request_id, None)
 
             return _AbortingStream(events(), on_close=lambda: engine.abort(request_id))
 
@@ -221,8 +217,6 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, max
         finally:
             engine.abort(request_id)  # a disconnect or a stop string; a no-op if the engine finished it
         return make_final("".join(pieces), all_ids, all_logprobs if params.logprobs else None, finish, last)
-
-    stream_usage: dict[str, bool] = {}
 
     def token_logprobs_completion(ids, logprobs, top: bool):
         tokens = [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
@@ -248,7 +242,6 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, max
         params = body.sampling_params(body.max_tokens, body.logprobs is not None, 16)
         stop = body.stop_strings()
         request_id, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        stream_usage[request_id] = bool(body.stream_options and body.stream_options.include_usage)
         top = body.logprobs == 1
 
         def choice(text, ids, logprobs, finish):
@@ -268,9 +261,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, max
             return {"id": request_id, "object": "text_completion", "created": created, "model": model_name,
                     "choices": [choice(text, ids, logprobs, finish)], "usage": usage(last, len(ids))}
 
-        if not body.stream:
-            stream_usage.pop(request_id, None)
-        return await run_request(raw, request_id, prompt, params, stop, body.stream, chunk, final)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await run_request(raw, request_id, prompt, params, stop, body.stream, include_usage, chunk, final)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
@@ -283,10 +275,9 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, max
         except ValueError as error:  # no template, a bad message, a template that raised
             raise RequestError(f"{error} (model {model_name!r})", "messages") from None
         if requested is None:  # OpenAI's default: the rest of the context
-            params = dataclasses.replace(params, max_tokens=default_max_tokens or max(1, max_model_len - len(prompt)))
+            params = dataclasses.replace(params, max_tokens=max(1, max_model_len - len(prompt)))
         stop = body.stop_strings()
         request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        stream_usage[request_id] = bool(body.stream_options and body.stream_options.include_usage)
         sent_role = False
 
         def chunk(text, ids, logprobs, finish):
@@ -311,9 +302,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, max
             return {"id": request_id, "object": "chat.completion", "created": created, "model": model_name,
                     "choices": [out], "usage": usage(last, len(ids))}
 
-        if not body.stream:
-            stream_usage.pop(request_id, None)
-        return await run_request(raw, request_id, prompt, params, stop, body.stream, chunk, final)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return await run_request(raw, request_id, prompt, params, stop, body.stream, include_usage, chunk, final)
 
     return app
 
