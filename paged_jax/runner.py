@@ -31,6 +31,7 @@ token bucket), which `num_compilations` counts so a test can prove it.
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 import weakref
 
@@ -127,11 +128,6 @@ class ModelRunner:
         self.attention_impl = self.attention.name
         self.token_buckets = scheduler_config.token_buckets
         self.seq_buckets = scheduler_config.seq_buckets
-        # The layers' weights stay one buffer per layer (no stacked copy); every layer has
-        # the graph of layer 0, so one compiled program serves every group of them.
-        self._layer_graphdef = nnx.graphdef(model.layers[0])
-        if any(nnx.graphdef(layer) != self._layer_graphdef for layer in model.layers):
-            raise ValueError("the model's layers differ in structure; one compiled layer program needs them alike")
         num_layers = len(model.layers)
         if layers_per_program is None:
             layers_per_program = _default_layers_per_program(num_layers)
@@ -139,6 +135,13 @@ class ModelRunner:
             raise ValueError(f"layers_per_program={layers_per_program} must divide the model's {num_layers} layers "
                              f"(1..{num_layers}; {num_layers} compiles them all into one program), or be None")
         self.layers_per_program = layers_per_program
+        # The layers' weights stay one buffer per layer (no stacked copy). Groups of layers
+        # with the same graphs share one compiled program; a model whose layers differ
+        # (DeepSeek-V2's dense first layers before its MoE ones) gets one per kind of group.
+        graphdefs = [nnx.graphdef(layer) for layer in model.layers]
+        groups = [tuple(graphdefs[i : i + layers_per_program]) for i in range(0, num_layers, layers_per_program)]
+        self._group_graphdefs = list(dict.fromkeys(groups))  # distinct kinds of group, first seen first
+        self._group_kind = [self._group_graphdefs.index(group) for group in groups]
         self.layer_params = [nnx.state(layer) for layer in model.layers]
         self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
         self.kv_caches = init_kv_caches(specs, cache_config.num_blocks, cache_config.block_size)
@@ -165,11 +168,11 @@ class ModelRunner:
     def _embed_fn(self, head_params, token_ids):
         return self._model(head_params).embed(token_ids)
 
-    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata):
-        """layers_per_program consecutive layers: their params and caches are lists."""
+    def _layer_fn(self, graphdefs, layer_params, x, kv_caches, positions, attn_metadata):
+        """layers_per_program consecutive layers of the given graphs: their params and caches are lists."""
         new_caches = []
-        for params, kv_cache in zip(layer_params, kv_caches):
-            layer = nnx.merge(self._layer_graphdef, params)
+        for graphdef, params, kv_cache in zip(graphdefs, layer_params, kv_caches):
+            layer = nnx.merge(graphdef, params)
             x, kv_cache = layer(x, positions, kv_cache, attn_metadata, self.attention)
             new_caches.append(kv_cache)
         return x, new_caches
@@ -188,11 +191,14 @@ class ModelRunner:
             embed = jax.jit(self._embed_fn).lower(abstract(self.head_params), inputs.model.token_ids).compile()
         x = jax.eval_shape(self._embed_fn, abstract(self.head_params), inputs.model.token_ids)
         k = self.layers_per_program
-        layer = jax.jit(self._layer_fn, donate_argnums=(2,)).lower(
-            abstract(self.layer_params[:k]), x, self._abstract_caches, inputs.model.positions,
-            inputs.attention).compile()
+        layers = []  # one program per kind of layer group
+        for kind, graphdefs in enumerate(self._group_graphdefs):
+            first = self._group_kind.index(kind) * k
+            layers.append(jax.jit(functools.partial(self._layer_fn, graphdefs), donate_argnums=(2,)).lower(
+                abstract(self.layer_params[first : first + k]), x, self._abstract_caches, inputs.model.positions,
+                inputs.attention).compile())
         head = jax.jit(self._head_fn).lower(abstract(self.head_params), x, inputs).compile()
-        return embed, layer, head
+        return embed, tuple(layers), head
 
     def _programs_for(self, shape: tuple[int, int]) -> tuple:
         """The compiled programs of a shape: ready, compiled by the warm-up thread next (this
@@ -242,13 +248,13 @@ class ModelRunner:
         """
         if inputs.num_seqs == 0:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
-        embed, layer, head = self._programs_for((inputs.model.token_ids.shape[0],
-                                                 inputs.attention.block_tables.shape[0]))
+        embed, layers, head = self._programs_for((inputs.model.token_ids.shape[0],
+                                                  inputs.attention.block_tables.shape[0]))
         inputs = jax.device_put(inputs)  # once: every layer call reads the same device arrays
         x = embed(self.head_params, inputs.model.token_ids)
         kv_caches, k = self.kv_caches, self.layers_per_program
         for i in range(0, len(kv_caches), k):
-            x, kv_caches[i : i + k] = layer(self.layer_params[i : i + k], x, kv_caches[i : i + k],
+            x, kv_caches[i : i + k] = layers[self._group_kind[i // k]](self.layer_params[i : i + k], x, kv_caches[i : i + k],
                                             inputs.model.positions, inputs.attention)
         token_ids, logprobs = head(self.head_params, x, inputs)
         self.num_steps += 1
@@ -356,7 +362,8 @@ class ModelRunner:
     def compiled_memory(self, num_tokens: int, num_seqs: int) -> dict:
         """Memory analysis of one bucket's programs (tests use it to show that the donated caches
         are updated in place): {"embed", "layer", "head"} -> CompiledMemoryStats. The layer
-        program runs once per group of layers_per_program layers, on their caches."""
-        embed, layer, head = self._programs_for((num_tokens, num_seqs))
-        return {"embed": embed.memory_analysis(), "layer": layer.memory_analysis(),
-                "head": head.memory_analysis()}
+        program runs once per group of layers_per_program layers, on their caches; "layers" lists
+        the program of every kind of group (layers of different structure), "layer" is the first."""
+        embed, layers, head = self._programs_for((num_tokens, num_seqs))
+        return {"embed": embed.memory_analysis(), "layer": layers[0].memory_analysis(),
+                "layers": [layer.memory_analysis() for layer in layers], "head": head.memory_analysis()}
