@@ -168,9 +168,11 @@ class ModelRunner:
     def _embed_fn(self, head_params, token_ids):
         return self._model(head_params).embed(token_ids)
 
-    def _layer_fn(self, graphdefs, layer_params, x, kv_caches, positions, attn_metadata):
-        """layers_per_program consecutive layers of the given graphs: their params and caches are lists."""
+    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata, graphdefs=None):
+        """layers_per_program consecutive layers: their params and caches are lists; graphdefs
+        (static) are their graphs, by default those of the first group."""
         new_caches = []
+        graphdefs = graphdefs if graphdefs is not None else self._group_graphdefs[0]
         for graphdef, params, kv_cache in zip(graphdefs, layer_params, kv_caches):
             layer = nnx.merge(graphdef, params)
             x, kv_cache = layer(x, positions, kv_cache, attn_metadata, self.attention)
@@ -194,7 +196,7 @@ class ModelRunner:
         layers = []  # one program per kind of layer group
         for kind, graphdefs in enumerate(self._group_graphdefs):
             first = self._group_kind.index(kind) * k
-            layers.append(jax.jit(functools.partial(self._layer_fn, graphdefs), donate_argnums=(2,)).lower(
+            layers.append(jax.jit(functools.partial(self._layer_fn, graphdefs=graphdefs), donate_argnums=(2,)).lower(
                 abstract(self.layer_params[first : first + k]), x, self._abstract_caches, inputs.model.positions,
                 inputs.attention).compile())
         head = jax.jit(self._head_fn).lower(abstract(self.head_params), x, inputs).compile()

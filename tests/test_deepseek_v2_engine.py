@@ -57,3 +57,9 @@ def test_greedy_equals_transformers_under_preemption_and_prefix_caching(tmp_path
     assert stats["num_preemptions"] > 0, "the pool was meant to be too small for every sequence at once"
     assert stats["prefix_cache_hits"] > 0 and any(o.metrics.num_cached_tokens >= 16 for o in outputs[1::2])
     assert_no_leak(llm.engine)
+    # Both layer programs update their donated latent caches in place (no cache-sized copy).
+    runner = llm.engine.runner
+    layer_cache_bytes = runner.kv_cache_bytes // 3
+    for stats in runner.compiled_memory(*runner.bucket_shapes()[-1])["layers"]:
+        assert stats.alias_size_in_bytes == layer_cache_bytes
+        assert stats.temp_size_in_bytes < layer_cache_bytes / 4
