@@ -15,9 +15,12 @@ factor multiplies rotated q and k as it does there.
 
 MoE layers (i >= first_k_dense_replace): softmax router in float32, top-k experts per token
 (greedy or group-limited greedy), weights times routed_scaling_factor, plus shared experts.
-Routed experts run grouped: tokens sorted by expert and one ragged matmul per projection
-(jax.lax.ragged_dot), exact and proportional to num_experts_per_tok rather than
-n_routed_experts (MOE_IMPL; scripts/bench_mla.py measures the dense alternative).
+Routed experts run densely by default (MOE_IMPL): every expert on every token, the
+unchosen ones weighted exactly 0, as three flat matmuls over [D, E * F]. The grouped
+alternative (tokens sorted by expert, jax.lax.ragged_dot) computes only the chosen experts
+but measured 2.2x (16 tokens) and 4.8x (128 tokens) slower on CPU at DeepSeek-V2-Lite's 64
+experts / top-6 (scripts/bench_mla.py); it is kept, tested equal, for accelerators where
+ragged_dot is a grouped GEMM (not measured here).
 
 Einsum legend: T tokens, D hidden, N heads, P qk_nope_head_dim, R qk_rope_head_dim,
 H P + R, L kv_lora_rank, Q q_lora_rank, V v_head_dim, E experts, F MLP hidden, S keys.
@@ -41,7 +44,7 @@ __all__ = ["PRESETS", "DeepseekV2Config", "DeepseekV2ForCausalLM", "YarnRopeScal
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
-MOE_IMPL = "grouped"  # "grouped" (ragged_dot over tokens sorted by expert) or "dense" (every expert, every token)
+MOE_IMPL = "dense"  # "dense" (every expert, every token) or "grouped" (ragged_dot over tokens sorted by expert)
 
 
 def _normal(rngs: nnx.Rngs, shape, fan_in: int, dtype: str) -> nnx.Param:
@@ -179,21 +182,24 @@ class MoE(nnx.Module):
         d, f, e, pd = c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.param_dtype
         self.config = c
         self.gate = nnx.Param(jax.random.normal(rngs.params(), (d, e), jnp.float32))  # [D, E], float32 always
-        self.experts_gate = _normal(rngs, (e, d, f), d, pd)  # [E, D, F]
-        self.experts_up = _normal(rngs, (e, d, f), d, pd)  # [E, D, F]
+        # Gate and up are [D, E, F], so the dense path is one [T, D] x [D, E * F] matmul each
+        # (a batched 'TD,EDF' einsum measured 2x slower on CPU); down is [E, F, D].
+        self.experts_gate = _normal(rngs, (d, e, f), d, pd)  # [D, E, F]
+        self.experts_up = _normal(rngs, (d, e, f), d, pd)  # [D, E, F]
         self.experts_down = _normal(rngs, (e, f, d), f, pd)  # [E, F, D]
         self.shared_experts = (DenseMLP(d, f * c.n_shared_experts, param_dtype=pd, dtype=c.dtype, rngs=rngs)
                                if c.n_shared_experts else None)
 
     def _experts_dense(self, x, experts, weights):
-        """Every expert on every token, the unchosen ones weighted 0: [T, D]."""
+        """Every expert on every token, the unchosen ones weighted 0 (exactly 0): [T, D]."""
         dt = self.config.dtype
-        combine = jnp.zeros((x.shape[0], self.gate.shape[1]), jnp.float32)
+        d, e, f = self.experts_gate.shape
+        combine = jnp.zeros((x.shape[0], e), jnp.float32)
         combine = combine.at[jnp.arange(x.shape[0])[:, None], experts].set(weights)  # [T, E]
-        gate = jnp.einsum("TD,EDF->TEF", x, self.experts_gate[...].astype(dt))
-        up = jnp.einsum("TD,EDF->TEF", x, self.experts_up[...].astype(dt))
-        y = jnp.einsum("TEF,EFD->TED", jax.nn.silu(gate) * up, self.experts_down[...].astype(dt))
-        return jnp.einsum("TED,TE->TD", y.astype(jnp.float32), combine).astype(dt)
+        gate = x @ self.experts_gate[...].astype(dt).reshape(d, e * f)
+        up = x @ self.experts_up[...].astype(dt).reshape(d, e * f)
+        h = (jax.nn.silu(gate) * up).reshape(-1, e, f) * combine[:, :, None].astype(dt)  # [T, E, F]
+        return h.reshape(-1, e * f) @ self.experts_down[...].astype(dt).reshape(e * f, d)
 
     def _experts_grouped(self, x, experts, weights):
         """(token, expert) pairs sorted by expert, one ragged matmul per projection: [T, D]."""
@@ -204,8 +210,8 @@ class MoE(nnx.Module):
         token_of = order // k
         group_sizes = jnp.bincount(flat_experts, length=self.gate.shape[1]).astype(jnp.int32)
         xs = x[token_of]  # [T * k, D], grouped by expert
-        gate = jax.lax.ragged_dot(xs, self.experts_gate[...].astype(dt), group_sizes)
-        up = jax.lax.ragged_dot(xs, self.experts_up[...].astype(dt), group_sizes)
+        gate = jax.lax.ragged_dot(xs, jnp.moveaxis(self.experts_gate[...].astype(dt), 1, 0), group_sizes)
+        up = jax.lax.ragged_dot(xs, jnp.moveaxis(self.experts_up[...].astype(dt), 1, 0), group_sizes)
         y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.experts_down[...].astype(dt), group_sizes)
         y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
         return jnp.zeros((num_tokens, x.shape[1]), jnp.float32).at[token_of].add(y).astype(dt)

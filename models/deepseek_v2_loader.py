@@ -5,7 +5,7 @@ skeleton built with nnx.eval_shape. HF stores linear weights [out, in]; this mod
 einsum layouts, so each parameter names its HF tensor(s) and the one transform between.
 Routed experts come per expert (`mlp.experts.{e}.gate_proj.weight`, what save_pretrained and
 the published checkpoints write) or fused (`mlp.experts.gate_up_proj`, transformers' in-memory
-layout); both load into [E, D, F] / [E, F, D] stacks.
+layout); both load into [D, E, F] (gate, up) and [E, F, D] (down) stacks.
 """
 
 from __future__ import annotations
@@ -97,13 +97,14 @@ def _load_experts(moe, prefix: str, read, get_tensor, num_experts: int) -> None:
     except KeyError:
         gate_up = None
     if gate_up is not None:
-        gate, up = jnp.split(gate_up, 2, axis=1)
-        _set(moe.experts_gate, gate.transpose(0, 2, 1), prefix + "gate_up_proj")
-        _set(moe.experts_up, up.transpose(0, 2, 1), prefix + "gate_up_proj")
-        _set(moe.experts_down, read(prefix + "down_proj").transpose(0, 2, 1), prefix + "down_proj")
+        gate, up = jnp.split(gate_up, 2, axis=1)  # [E, F, D] each
+        _set(moe.experts_gate, gate.transpose(2, 0, 1), prefix + "gate_up_proj")
+        _set(moe.experts_up, up.transpose(2, 0, 1), prefix + "gate_up_proj")
+        _set(moe.experts_down, read(prefix + "down_proj").transpose(0, 2, 1), prefix + "down_proj")  # [E, D, F]
         return
-    for param, proj in ((moe.experts_gate, "gate_proj"), (moe.experts_up, "up_proj"), (moe.experts_down, "down_proj")):
-        _set(param, jnp.stack([read(f"{prefix}{e}.{proj}.weight").T for e in range(num_experts)]),
+    for param, proj, axis in ((moe.experts_gate, "gate_proj", 1), (moe.experts_up, "up_proj", 1),
+                              (moe.experts_down, "down_proj", 0)):
+        _set(param, jnp.stack([read(f"{prefix}{e}.{proj}.weight").T for e in range(num_experts)], axis=axis),
              f"{prefix}*.{proj}.weight")
 
 

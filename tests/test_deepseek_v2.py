@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers", reason="HF parity needs trans
 
 from models.deepseek_v2 import DeepseekV2ForCausalLM, MoE  # noqa: E402
 from models.deepseek_v2_config import DeepseekV2Config  # noqa: E402
+from models.deepseek_v2_loader import model_from_hf_tensors  # noqa: E402
 from models.kv_cache_spec import MLAAttentionSpec  # noqa: E402
 from models.registry import load_model  # noqa: E402
 from test_hf_parity import assert_close_rel, hf_logits, paged_logits  # noqa: E402
@@ -93,10 +94,17 @@ def test_all_moe_group_limited_routing_tied(tmp_path):
     model = check_parity(tmp_path, hf_deepseek(first_k_dense_replace=0, topk_method="group_limited_greedy",
                                                tied=True, seed=2), paged=False)
     assert model.config.topk_method == "group_limited_greedy" and model.lm_head is None
+    # transformers' in-memory state dict fuses the experts (gate_up_proj [E, 2F, D]): same weights.
+    ref = hf_deepseek(first_k_dense_replace=0, topk_method="group_limited_greedy", tied=True, seed=2)
+    state = {name: t.detach().numpy() for name, t in ref.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    fused = model_from_hf_tensors(model.config, state.__getitem__)
+    for name in ("experts_gate", "experts_up", "experts_down"):
+        np.testing.assert_array_equal(getattr(fused.layers[1].mlp, name)[...], getattr(model.layers[1].mlp, name)[...])
 
 
 def test_grouped_and_dense_moe_agree():
-    """The two MoE implementations compute the same experts (the grouped one is the default)."""
+    """The two MoE implementations compute the same experts (the dense one is the default)."""
     config = DeepseekV2Config(vocab_size=32, hidden_size=16, intermediate_size=8, num_layers=1, num_heads=2,
                               kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4,
                               n_routed_experts=6, num_experts_per_tok=3, n_shared_experts=2, moe_intermediate_size=8)
