@@ -69,8 +69,7 @@ def check_parity(tmp_path, ref, paged=True):
     dense = nnx.jit(lambda model, ids: model.dense_forward(ids))  # one compile, not one per eager op
     assert_close_rel(dense(model, jnp.asarray(ids, jnp.int32)), expected, "dense forward")
     if paged:
-        # Two prefill chunks (the second over a cached context), then two decode steps: the
-        # backend decompresses prefill chunks and attends in latent space for decodes.
+        # Two prefill chunks (the second over a cached context), then two decode steps.
         chunk_ends = [16, 32, 33, 34]
         got = paged_logits(model, ids, chunk_ends)
         assert_close_rel(got, expected[:, np.array(chunk_ends) - 1].transpose(1, 0, 2), "paged forward")

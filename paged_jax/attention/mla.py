@@ -6,9 +6,9 @@ The MLA model calls its backend once per layer with the pieces MLA attention nee
                                  w_uk=..., w_uv=..., sm_scale=...)
 
 The backend writes this step's latent and rope key into the pool, then attends over it
-(decodes and prefill chunks in one ragged call). Decodes always attend in latent space
-(absorbed); on the XLA path prefill chunks decompress or not as PREFILL_FORM says
-(measured by scripts/bench_mla.py); the Pallas kernel is absorbed throughout.
+(decodes and prefill chunks in one ragged call). Decodes attend in latent space (absorbed);
+on the XLA path prefill chunks decompress or not as PREFILL_FORM says (measured by
+scripts/bench_mla.py: absorbed); the Pallas kernel is absorbed throughout.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ from models.kv_cache_spec import MLAAttentionSpec
 from paged_jax.attention.mla_xla import mla_paged_attention_xla
 from pallas_kernels.mla_attention import MlaPallasConfig, mla_paged_attention
 
-# Prefill chunks on the XLA path: "decompressed" measured faster on CPU
-# (scripts/bench_mla.py, docs/BENCHMARKS.md "MLA").
-PREFILL_FORM = "decompressed"
+# Prefill chunks on the XLA path: absorbed measured faster on CPU (scripts/bench_mla.py: a
+# 256-token chunk took 0.70x the decompressing time with no cached context, 0.49x over 768
+# cached tokens). The XLA path decompresses the context once per 32-row query block, which
+# costs L * N * (P + V) per key against 32 * N * (L + R + L) for attending in latent space.
+PREFILL_FORM = "absorbed"
 
 
 @jax.jit
@@ -81,11 +83,12 @@ class MlaXlaAttention(_MlaBackend):
     """Gather-based MLA (paged_jax/attention/mla_xla.py): absorbed decodes, PREFILL_FORM prefill chunks."""
 
     prefill_form: str = PREFILL_FORM
+    decode_form: str = "absorbed"  # "decompressed" only to measure what absorbing saves
 
     name = "xla"
 
     def _attend(self, *args, sm_scale):
-        return mla_paged_attention_xla(*args, sm_scale=sm_scale, decode_form="absorbed",
+        return mla_paged_attention_xla(*args, sm_scale=sm_scale, decode_form=self.decode_form,
                                        prefill_form=self.prefill_form)
 
 
