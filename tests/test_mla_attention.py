@@ -59,7 +59,7 @@ MIXED = ([1, 5, 1, 16, 1, 9], [1, 5, 33, 40, 16, 70])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_xla_absorbed_and_decompressed_match_float64(dtype):
+def test_xla_mixed_batch_absorbed_and_decompressed_match_float64(dtype):
     rng = np.random.default_rng(0)
     args = build_mla_batch(rng, *MIXED, block_size=8, num_tokens=48, max_num_seqs=8, max_blocks_per_seq=10,
                            dtype=dtype)
@@ -82,7 +82,7 @@ def test_xla_absorbed_and_decompressed_match_float64(dtype):
 
 @pytest.mark.parametrize("config", [MlaPallasConfig(), MlaPallasConfig(decode_num_splits=2, prefill_rows=16)],
                          ids=["default", "split2"])
-def test_pallas_kernel_matches_float64(config):
+def test_pallas_mixed_batch_matches_float64(config):
     rng = np.random.default_rng(1)
     args = build_mla_batch(rng, [1, 3, 1, 6], [1, 3, 20, 22], block_size=8, num_tokens=16, max_num_seqs=4,
                            max_blocks_per_seq=4, dtype=jnp.float32)
