@@ -18,7 +18,7 @@ MoE layers (i >= first_k_dense_replace): softmax router in float32, top-k expert
 Routed experts run densely by default (MOE_IMPL): every expert on every token, the
 unchosen ones weighted exactly 0, as three flat matmuls over [D, E * F]. The grouped
 alternative (tokens sorted by expert, jax.lax.ragged_dot) computes only the chosen experts
-but measured 2.2x (16 tokens) and 4.8x (128 tokens) slower on CPU at DeepSeek-V2-Lite's 64
+but measured 2.9x (16 tokens) and 4.9x (128 tokens) slower on CPU with DeepSeek-V2-Lite's 64
 experts / top-6 (scripts/bench_mla.py); it is kept, tested equal, for accelerators where
 ragged_dot is a grouped GEMM (not measured here).
 
