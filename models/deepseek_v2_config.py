@@ -161,7 +161,8 @@ class DeepseekV2Config:
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"topk_method={self.topk_method!r} is not implemented; use one of {TOPK_METHODS}")
         if self.topk_method == "group_limited_greedy" and self.num_moe_layers:
-            if not self.n_group or self.n_routed_experts % self.n_group or not 0 < (self.topk_group or 0) <= self.n_group:
+            n_group, topk_group = self.n_group or 0, self.topk_group or 0
+            if not n_group or self.n_routed_experts % n_group or not 0 < topk_group <= n_group:
                 raise ValueError(f"topk_method='group_limited_greedy' needs n_group (got {self.n_group}) dividing "
                                  f"n_routed_experts={self.n_routed_experts} and 0 < topk_group (got "
                                  f"{self.topk_group}) <= n_group")

@@ -227,8 +227,8 @@ def check_mla_args(q_nope, q_rope, c_kv_cache, k_rope_cache, w_uk, w_uv, block_t
                          f"{w_uk.shape=} {w_uv.shape=}")
     dtypes = {a.dtype for a in (q_nope, q_rope, c_kv_cache, k_rope_cache, w_uk, w_uv)}
     if len(dtypes) != 1 or not jnp.issubdtype(q_nope.dtype, jnp.floating):
-        raise ValueError(f"queries, caches and W_uk/W_uv must share one floating dtype, got {sorted(map(str, dtypes))}; "
-                         "cast them to the cache dtype")
+        raise ValueError(f"queries, caches and W_uk/W_uv must share one floating dtype, got "
+                         f"{sorted(map(str, dtypes))}; cast them to the cache dtype")
     for name, arr, ndim in (("block_tables", block_tables, 2), ("seq_lens", seq_lens, 1),
                             ("query_start_loc", query_start_loc, 1)):
         if arr.dtype != jnp.int32 or arr.ndim != ndim:

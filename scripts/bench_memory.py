@@ -113,8 +113,6 @@ def simulate(prompts: list[list[int]], outputs: np.ndarray, *, block_size: int, 
 
 def mla_vs_gqa8(prompts, outputs, args) -> tuple[dict, list[list]]:
     """Bytes per token per layer and sequences in a fixed budget: MLA vs GQA-8 at hidden 4096."""
-    import dataclasses
-
     from flax import nnx
 
     from models.config import PRESETS as LLAMA_PRESETS
@@ -151,7 +149,9 @@ def mla_vs_gqa8(prompts, outputs, args) -> tuple[dict, list[list]]:
     result["ratio"] = ratio
     result["target"] = [3.0, 4.0]
     result["met"] = 3.0 <= ratio <= 4.0
-    mean = lambda r: "-" if r["mean_concurrent_kv_bound"] is None else f"{r['mean_concurrent_kv_bound']:.1f}"  # noqa: E731
+    def mean(r):
+        return "-" if r["mean_concurrent_kv_bound"] is None else f"{r['mean_concurrent_kv_bound']:.1f}"
+
     rows = [
         ["bytes / token / layer", gqa["bytes_per_token_per_layer"], lat["bytes_per_token_per_layer"],
          f"{ratio:.2f}x ({'met' if result['met'] else 'MISSED'}: seed 3-4x)"],

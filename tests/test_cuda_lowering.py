@@ -54,7 +54,8 @@ def test_mla_attention_lowers_for_cuda_at_deepseek_v2_lite_shapes(config):
 
     heads, latent, rope, nope, v = 16, 512, 64, 128, 128
     bf16 = jnp.bfloat16
-    args = (jax.ShapeDtypeStruct((NUM_TOKENS, heads, nope), bf16), jax.ShapeDtypeStruct((NUM_TOKENS, heads, rope), bf16),
+    args = (jax.ShapeDtypeStruct((NUM_TOKENS, heads, nope), bf16),
+            jax.ShapeDtypeStruct((NUM_TOKENS, heads, rope), bf16),
             jax.ShapeDtypeStruct((NUM_BLOCKS, BLOCK_SIZE, latent), bf16),
             jax.ShapeDtypeStruct((NUM_BLOCKS, BLOCK_SIZE, rope), bf16),
             jax.ShapeDtypeStruct((latent, heads, nope), bf16), jax.ShapeDtypeStruct((latent, heads, v), bf16),

@@ -37,8 +37,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 def hf_deepseek(*, q_lora_rank=24, yarn=True, first_k_dense_replace=1, topk_method="greedy", tied=False, num_layers=2,
                 seed=0):
     """A random tiny DeepseekV2ForCausalLM whose weights give O(1) logits and decisive routing."""
-    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers, num_attention_heads=4,
-                  kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=num_layers,
+                  num_attention_heads=4, kv_lora_rank=32, q_lora_rank=q_lora_rank, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
                   n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=24,
                   first_k_dense_replace=first_k_dense_replace, routed_scaling_factor=1.5, topk_method=topk_method,
                   n_group=4 if topk_method == "group_limited_greedy" else None,
