@@ -144,7 +144,7 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, max
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.is_alive() else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics():
