@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import threading
 import weakref
 
@@ -152,11 +153,6 @@ class ModelRunner:
         self.attention_impl = self.attention.name
         self.token_buckets = scheduler_config.token_buckets
         self.seq_buckets = scheduler_config.seq_buckets
-        # The layers' weights stay one buffer per layer (no stacked copy); every layer has
-        # the graph of layer 0, so one compiled program serves every group of them.
-        self._layer_graphdef = nnx.graphdef(model.layers[0])
-        if any(nnx.graphdef(layer) != self._layer_graphdef for layer in model.layers):
-            raise ValueError("the model's layers differ in structure; one compiled layer program needs them alike")
         num_layers = len(model.layers)
         if layers_per_program is None:
             layers_per_program = _default_layers_per_program(num_layers)
@@ -164,6 +160,13 @@ class ModelRunner:
             raise ValueError(f"layers_per_program={layers_per_program} must divide the model's {num_layers} layers "
                              f"(1..{num_layers}; {num_layers} compiles them all into one program), or be None")
         self.layers_per_program = layers_per_program
+        # The layers' weights stay one buffer per layer (no stacked copy). Groups of layers
+        # with the same graphs share one compiled program; a model whose layers differ
+        # (DeepSeek-V2's dense first layers before its MoE ones) gets one per kind of group.
+        graphdefs = [nnx.graphdef(layer) for layer in model.layers]
+        groups = [tuple(graphdefs[i : i + layers_per_program]) for i in range(0, num_layers, layers_per_program)]
+        self._group_graphdefs = list(dict.fromkeys(groups))  # distinct kinds of group, first seen first
+        self._group_kind = [self._group_graphdefs.index(group) for group in groups]
         self.layer_params = [nnx.state(layer) for layer in model.layers]
         self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
         # jax zeroes a new buffer before it returns it (3 GB took 1.5-3.5 s on this CPU), so the
@@ -216,11 +219,13 @@ class ModelRunner:
     def _embed_fn(self, head_params, token_ids):
         return self._model(head_params).embed(token_ids)
 
-    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata):
-        """layers_per_program consecutive layers: their params and caches are lists."""
+    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata, graphdefs=None):
+        """layers_per_program consecutive layers: their params and caches are lists; graphdefs
+        (static) are their graphs, by default those of the first group."""
         new_caches = []
-        for params, kv_cache in zip(layer_params, kv_caches):
-            layer = nnx.merge(self._layer_graphdef, params)
+        graphdefs = graphdefs if graphdefs is not None else self._group_graphdefs[0]
+        for graphdef, params, kv_cache in zip(graphdefs, layer_params, kv_caches):
+            layer = nnx.merge(graphdef, params)
             x, kv_cache = layer(x, positions, kv_cache, attn_metadata, self.attention)
             new_caches.append(kv_cache)
         return x, new_caches
@@ -240,9 +245,9 @@ class ModelRunner:
         def embed_fn(head_params, packed):
             return self._embed_fn(head_params, unpack_step_inputs(packed, like).model.token_ids)
 
-        def layer_fn(layer_params, x, kv_caches, packed):
+        def layer_fn(layer_params, x, kv_caches, packed, graphdefs):
             inputs = unpack_step_inputs(packed, like)
-            return self._layer_fn(layer_params, x, kv_caches, inputs.model.positions, inputs.attention)
+            return self._layer_fn(layer_params, x, kv_caches, inputs.model.positions, inputs.attention, graphdefs)
 
         def head_fn(head_params, x, packed):
             return self._head_fn(head_params, x, unpack_step_inputs(packed, like))
@@ -251,10 +256,13 @@ class ModelRunner:
         embed = jax.jit(embed_fn).lower(head_params, packed).compile()
         x = jax.eval_shape(embed_fn, head_params, packed)
         k = self.layers_per_program
-        layer = jax.jit(layer_fn, donate_argnums=(2,)).lower(abstract(self.layer_params[:k]), x,
-                                                              self._abstract_caches, packed).compile()
+        layers = []  # one program per kind of layer group
+        for kind, graphdefs in enumerate(self._group_graphdefs):
+            first = self._group_kind.index(kind) * k
+            layers.append(jax.jit(functools.partial(layer_fn, graphdefs=graphdefs), donate_argnums=(2,)).lower(
+                abstract(self.layer_params[first : first + k]), x, self._abstract_caches, packed).compile())
         head = jax.jit(head_fn).lower(head_params, x, packed).compile()
-        return embed, layer, head
+        return embed, tuple(layers), head
 
     def _programs_for(self, shape: tuple[int, int]) -> tuple:
         """The compiled programs of a shape: ready, compiled by the warm-up thread next (this
@@ -303,12 +311,13 @@ class ModelRunner:
         """
         if inputs.num_seqs == 0:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
-        embed, layer, head = self._programs_for((inputs.model.token_ids.shape[0],
-                                                 inputs.attention.block_tables.shape[0]))
+        embed, layers, head = self._programs_for((inputs.model.token_ids.shape[0],
+                                                  inputs.attention.block_tables.shape[0]))
         packed = jax.device_put(pack_step_inputs(inputs))  # once: every program reads this copy
         x = embed(self.head_params, packed)
         kv_caches, k = self.kv_caches, self.layers_per_program
         for i in range(0, len(kv_caches), k):
+            layer = layers[self._group_kind[i // k]]  # the program of this group's kind of layers
             x, kv_caches[i : i + k] = layer(self.layer_params[i : i + k], x, kv_caches[i : i + k], packed)
         token_ids, logprobs = head(self.head_params, x, packed)
         self.num_steps += 1
@@ -417,7 +426,8 @@ class ModelRunner:
     def compiled_memory(self, num_tokens: int, num_seqs: int) -> dict:
         """Memory analysis of one bucket's programs (tests use it to show that the donated caches
         are updated in place): {"embed", "layer", "head"} -> CompiledMemoryStats. The layer
-        program runs once per group of layers_per_program layers, on their caches."""
-        embed, layer, head = self._programs_for((num_tokens, num_seqs))
-        return {"embed": embed.memory_analysis(), "layer": layer.memory_analysis(),
-                "head": head.memory_analysis()}
+        program runs once per group of layers_per_program layers, on their caches; "layers" lists
+        the program of every kind of group (layers of different structure), "layer" is the first."""
+        embed, layers, head = self._programs_for((num_tokens, num_seqs))
+        return {"embed": embed.memory_analysis(), "layer": layers[0].memory_analysis(),
+                "layers": [layer.memory_analysis() for layer in layers], "head": head.memory_analysis()}
