@@ -347,7 +347,8 @@ class ModelRunner:
 
     # warm-up
     def warm_up(self, progress=None) -> int:
-        """Compiles every bucket now, smallest first (waiting for a running warm-up thread).
+        """Compiles every bucket now, smallest first (waiting for a running warm-up thread),
+        and waits for the KV pool.
 
         Returns the number of shapes. `progress`, if given, is called after each.
         """
@@ -356,6 +357,7 @@ class ModelRunner:
             self._programs_for(shape)
             if progress is not None:
                 progress()
+        self.kv_caches  # noqa: B018  (and the pool: ready means nothing is left to build)
         return len(shapes)
 
     def start_warm_up(self, num_first: int = 1, progress=None) -> None:
