@@ -35,12 +35,14 @@ import threading
 import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.kv_cache_spec import init_kv_caches, kv_cache_bytes_per_token
+from models.kv_cache_spec import QuantizedAttentionSpec, init_kv_caches, kv_cache_bytes_per_token
 from paged_jax.attention import make_attention_backend
 from paged_jax.core.config import CacheConfig, SchedulerConfig
+from paged_jax.core.kv_quant import check_scale
 from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
 from paged_jax.sampler import sample
 
@@ -84,6 +86,24 @@ def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_m
     return max_num_seqs * -(-max_model_len // block_size) + 1
 
 
+def static_kv_scales(spec, kv_scales, num_layers: int):
+    """f32[num_layers, 2] device array of per-layer (k_scale, v_scale) for a per-tensor quantized
+    spec (kv_scales: None = 1.0, one pair, or one pair per layer); None for any other spec."""
+    if not isinstance(spec, QuantizedAttentionSpec) or spec.per_token_scales:
+        if kv_scales is not None:
+            raise ValueError("kv_scales (static K/V scales) need kv_cache_scaling='per_tensor' and a quantized "
+                             "kv_cache_dtype; drop them or set both")
+        return None
+    pairs = np.ones((num_layers, 2)) if kv_scales is None else np.array(kv_scales, dtype=object)
+    if pairs.shape == (2,):
+        pairs = np.array([kv_scales] * num_layers, dtype=object)
+    if pairs.shape != (num_layers, 2):
+        raise ValueError(f"kv_scales must be one (k_scale, v_scale) pair or {num_layers} of them (one per layer), "
+                         f"got shape {pairs.shape}")
+    values = [[check_scale(f"kv_scales[{i}][{j}]", s) for j, s in enumerate(pair)] for i, pair in enumerate(pairs)]
+    return jnp.asarray(values, jnp.float32)
+
+
 # Runners whose warm-up thread may still run: at exit each one finishes the bucket it is
 # compiling and drops the rest, so the interpreter never stops mid-compilation.
 _WARMING_UP: weakref.WeakSet = weakref.WeakSet()
@@ -107,6 +127,10 @@ class ModelRunner:
       attention_impl: "xla", "pallas" or None (pallas on GPU, xla elsewhere); interpret runs
         the Pallas kernel in interpret mode. Turned into one backend for the model's cache spec.
       kv_cache_dtype: defaults to the model's compute dtype.
+      kv_cache_quant: "auto" (pages in kv_cache_dtype) or a quantized format ("fp8", "fp8_e4m3",
+        "fp8_e5m2", "int8"; paged_jax/core/kv_quant.py), with kv_cache_scaling "per_token" or
+        "per_tensor"; kv_scales: the static (k_scale, v_scale) of per-tensor scaling, one pair for
+        every layer or one per layer (None: 1.0). They are runtime inputs of the layer program.
       layers_per_program: decoder layers one compiled program runs (a divisor of the layer
         count); None: _default_layers_per_program(num_layers). The layer count itself compiles the
         whole stack into one program: the old step time, at the old compile time per bucket.
@@ -114,17 +138,19 @@ class ModelRunner:
 
     def __init__(self, model, cache_config: CacheConfig, scheduler_config: SchedulerConfig, *,
                  attention_impl: str | None = None, interpret: bool = False, kv_cache_dtype=None,
-                 layers_per_program: int | None = None):
+                 layers_per_program: int | None = None, kv_cache_quant: str = "auto",
+                 kv_cache_scaling: str = "per_token", kv_scales=None):
         self.config = model.config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.num_blocks = cache_config.num_blocks
-        specs = model.kv_cache_specs(kv_cache_dtype)
+        specs = model.kv_cache_specs(kv_cache_dtype, kv_cache_quant, kv_cache_scaling)
         if len(set(specs)) != 1:
             raise ValueError("layers with different cache specs need one backend each; this runner builds one")
         self.kv_cache_specs = specs
         self.attention = make_attention_backend(specs[0], attention_impl, interpret=interpret)
         self.attention_impl = self.attention.name
+        self.kv_scales = static_kv_scales(specs[0], kv_scales, len(specs))
         self.token_buckets = scheduler_config.token_buckets
         self.seq_buckets = scheduler_config.seq_buckets
         # The layers' weights stay one buffer per layer (no stacked copy); every layer has
@@ -165,12 +191,14 @@ class ModelRunner:
     def _embed_fn(self, head_params, token_ids):
         return self._model(head_params).embed(token_ids)
 
-    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata):
-        """layers_per_program consecutive layers: their params and caches are lists."""
+    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata, kv_scales=None):
+        """layers_per_program consecutive layers: their params and caches are lists (kv_scales:
+        f32[layers, 2], their static K/V scales when the pool is quantized per tensor)."""
         new_caches = []
-        for params, kv_cache in zip(layer_params, kv_caches):
+        for i, (params, kv_cache) in enumerate(zip(layer_params, kv_caches)):
             layer = nnx.merge(self._layer_graphdef, params)
-            x, kv_cache = layer(x, positions, kv_cache, attn_metadata, self.attention)
+            attention = self.attention if kv_scales is None else self.attention.with_kv_scales(kv_scales[i])
+            x, kv_cache = layer(x, positions, kv_cache, attn_metadata, attention)
             new_caches.append(kv_cache)
         return x, new_caches
 
@@ -188,9 +216,10 @@ class ModelRunner:
             embed = jax.jit(self._embed_fn).lower(abstract(self.head_params), inputs.model.token_ids).compile()
         x = jax.eval_shape(self._embed_fn, abstract(self.head_params), inputs.model.token_ids)
         k = self.layers_per_program
+        kv_scales = () if self.kv_scales is None else (abstract(self.kv_scales[:k]),)
         layer = jax.jit(self._layer_fn, donate_argnums=(2,)).lower(
             abstract(self.layer_params[:k]), x, self._abstract_caches, inputs.model.positions,
-            inputs.attention).compile()
+            inputs.attention, *kv_scales).compile()
         head = jax.jit(self._head_fn).lower(abstract(self.head_params), x, inputs).compile()
         return embed, layer, head
 
@@ -248,8 +277,9 @@ class ModelRunner:
         x = embed(self.head_params, inputs.model.token_ids)
         kv_caches, k = self.kv_caches, self.layers_per_program
         for i in range(0, len(kv_caches), k):
+            kv_scales = () if self.kv_scales is None else (self.kv_scales[i : i + k],)
             x, kv_caches[i : i + k] = layer(self.layer_params[i : i + k], x, kv_caches[i : i + k],
-                                            inputs.model.positions, inputs.attention)
+                                            inputs.model.positions, inputs.attention, *kv_scales)
         token_ids, logprobs = head(self.head_params, x, inputs)
         self.num_steps += 1
         return np.asarray(token_ids), np.asarray(logprobs)

@@ -11,6 +11,48 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.core.kv_quant import FORMATS, MIN_SCALE
+
+# storage dtype name -> format: the cache dtype alone says whether a write quantizes.
+_FORMAT_BY_STORAGE = {fmt.storage_dtype: fmt for fmt in FORMATS.values()}
+
+
+def quant_format_of(cache_dtype):
+    """The KVQuantFormat a cache dtype stores (None for a float cache)."""
+    return _FORMAT_BY_STORAGE.get(np.dtype(cache_dtype).name)
+
+
+def quantize_rows(x, fmt, scale=None):
+    """Quantize rows of x to fmt, round to nearest, saturated at fmt.max_value.
+
+    Args:
+      x: [..., head_dim], any float dtype.
+      fmt: a paged_jax.core.kv_quant.KVQuantFormat.
+      scale: None for one scale per row (amax over head_dim / max_value), else a static
+        scale broadcastable to x[..., 0] (a per-tensor scale: a scalar).
+    Returns:
+      (x quantized, [..., head_dim] in fmt.storage_dtype; f32[...] the scale of each row).
+    """
+    x32 = x.astype(jnp.float32)
+    if scale is None:
+        scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1) / fmt.max_value, MIN_SCALE)
+    scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), x.shape[:-1])
+    y = jnp.clip(x32 / scale[..., None], -fmt.max_value, fmt.max_value)
+    if fmt.is_integer:
+        y = jnp.round(y)  # half to even, as np.rint
+    return y.astype(fmt.storage_dtype), scale
+
+
+def dequantize_pages(pages, scale=None):
+    """f32 value of quantized pages: pages * scale (scale [..., num_kv_heads] per token, or a
+    scalar). For tests and references: the attention paths never build this for the pool."""
+    out = pages.astype(jnp.float32)
+    if scale is None:
+        return out
+    scale = jnp.asarray(scale, jnp.float32)
+    return out * (scale[..., None] if scale.ndim else scale)
 
 
 def _check_args(k, v, k_cache, v_cache, slot_mapping):
@@ -22,7 +64,10 @@ def _check_args(k, v, k_cache, v_cache, slot_mapping):
     if k.ndim != 3 or k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(f"k and v must both be [num_tokens, {num_kv_heads}, {head_dim}] to match the cache, "
                          f"got {k.shape=} and {v.shape=}")
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+    if quant_format_of(k_cache.dtype) is not None:
+        if not (jnp.issubdtype(k.dtype, jnp.floating) and jnp.issubdtype(v.dtype, jnp.floating)):
+            raise ValueError(f"k/v must be float to quantize into a {k_cache.dtype} cache, got {k.dtype}/{v.dtype}")
+    elif k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
         raise ValueError(f"k/v dtypes {k.dtype}/{v.dtype} must equal the cache dtypes "
                          f"{k_cache.dtype}/{v_cache.dtype}; cast k and v before writing")
     if slot_mapping.dtype != jnp.int32 or slot_mapping.shape != (k.shape[0],):
@@ -30,9 +75,27 @@ def _check_args(k, v, k_cache, v_cache, slot_mapping):
                          f"got {slot_mapping.dtype}{slot_mapping.shape}")
 
 
+def _check_scale_args(k_cache, k_scale_cache, v_scale_cache, tensor_scales):
+    fmt = quant_format_of(k_cache.dtype)
+    per_token = k_scale_cache is not None or v_scale_cache is not None
+    if fmt is None and (per_token or tensor_scales is not None):
+        raise ValueError(f"scales apply to quantized caches only (int8 / fp8), got a {k_cache.dtype} cache")
+    if per_token:
+        shape = k_cache.shape[:3]
+        for name, arr in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
+            if arr is None or arr.shape != shape or arr.dtype != jnp.float32:
+                raise ValueError(f"{name} must be f32{list(shape)} ([num_blocks, block_size, num_kv_heads]) when "
+                                 f"per-token scales are used, got {None if arr is None else (arr.dtype, arr.shape)}")
+        if tensor_scales is not None:
+            raise ValueError("give per-token scale caches or tensor_scales, not both")
+    elif tensor_scales is not None and jnp.shape(tensor_scales) != (2,):
+        raise ValueError(f"tensor_scales must be f32[2] (k_scale, v_scale), got shape {jnp.shape(tensor_scales)}")
+
+
 @jax.jit
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
-    """Store k[t], v[t] at slot slot_mapping[t] of the caches.
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale_cache=None, v_scale_cache=None, *,
+                   tensor_scales=None):
+    """Store k[t], v[t] at slot slot_mapping[t] of the caches, quantized if the caches are.
 
     Args:
       k, v: [num_tokens, num_kv_heads, head_dim].
@@ -44,10 +107,17 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
         Padded tokens point into the null page 0 (never -1); which padded write wins there
         is unspecified, and nothing reads the null page unmasked.
 
+      k_scale_cache, v_scale_cache: f32[num_blocks, block_size, num_kv_heads], only with a
+        quantized cache: per-token scales, written beside the rows (and donated like them).
+      tensor_scales: f32[2], the static (k_scale, v_scale) of a quantized cache without
+        per-token scales (None: 1.0).
+
     Returns:
-      (k_cache, v_cache) with the addressed slots overwritten and every other slot unchanged.
+      (k_cache, v_cache), or (k_cache, v_cache, k_scale_cache, v_scale_cache) with per-token
+      scales, with the addressed slots overwritten and every other slot unchanged.
     """
     _check_args(k, v, k_cache, v_cache, slot_mapping)
+    _check_scale_args(k_cache, k_scale_cache, v_scale_cache, tensor_scales)
     num_slots = k_cache.shape[0] * k_cache.shape[1]
 
     def scatter(cache, new):
@@ -55,7 +125,15 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping):
         # Out-of-range slots are dropped rather than clamped onto a live slot.
         return flat.at[slot_mapping].set(new, mode="drop").reshape(cache.shape)
 
-    return scatter(k_cache, k), scatter(v_cache, v)
+    fmt = quant_format_of(k_cache.dtype)
+    if fmt is None:
+        return scatter(k_cache, k), scatter(v_cache, v)
+    if k_scale_cache is None:
+        scales = jnp.ones(2, jnp.float32) if tensor_scales is None else tensor_scales
+        (k_q, _), (v_q, _) = quantize_rows(k, fmt, scales[0]), quantize_rows(v, fmt, scales[1])
+        return scatter(k_cache, k_q), scatter(v_cache, v_q)
+    (k_q, k_s), (v_q, v_s) = quantize_rows(k, fmt), quantize_rows(v, fmt)
+    return scatter(k_cache, k_q), scatter(v_cache, v_q), scatter(k_scale_cache, k_s), scatter(v_scale_cache, v_s)
 
 
 def write_kv_cache_reference(k, v, k_cache, v_cache, slot_mapping):

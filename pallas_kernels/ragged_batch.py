@@ -109,7 +109,26 @@ def token_block_rows(batch, blocks, token_seq, block_q):
     return jnp.clip(flat, 0, num_rows_total - 1)
 
 
-def check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs):
+# Dtypes of quantized pages (paged_jax/core/kv_quant.py FORMATS): read and converted per tile.
+QUANTIZED_CACHE_DTYPES = ("int8", "float8_e4m3fn", "float8_e5m2")
+
+
+def _check_quantized_cache(q, k_cache, v_cache, k_scale, v_scale):
+    """A quantized cache: one-byte pages of one dtype, q in a float dtype, scales both or neither."""
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share one dtype, got {k_cache.dtype=}, {v_cache.dtype=}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"attention needs a floating q, got {q.dtype=}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("give both k_scale and v_scale (per-token scales) or neither (scale 1.0)")
+    for name, arr in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if arr is not None and (arr.dtype != jnp.float32 or arr.shape != k_cache.shape[:3]):
+            raise ValueError(f"{name} must be f32{list(k_cache.shape[:3])} ([num_blocks, block_size, num_kv_heads]), "
+                             f"got {arr.dtype}{arr.shape}")
+
+
+def check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale=None,
+                      v_scale=None):
     """Trace-time checks of a ragged paged-attention call (both impls): a ValueError that names the fix."""
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got {q.shape=}")
@@ -117,7 +136,11 @@ def check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {k_cache.shape=}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have k_cache's shape {k_cache.shape}, got {v_cache.shape=}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    if k_cache.dtype.name in QUANTIZED_CACHE_DTYPES:
+        _check_quantized_cache(q, k_cache, v_cache, k_scale, v_scale)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale / v_scale apply to quantized caches {QUANTIZED_CACHE_DTYPES}, not {k_cache.dtype}")
+    elif not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(
             f"q, k_cache and v_cache must share one dtype, got {q.dtype=}, {k_cache.dtype=}, {v_cache.dtype=}; "
             "cast q to the cache dtype"
