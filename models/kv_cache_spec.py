@@ -14,7 +14,8 @@ Layouts (the one place they are written down):
   be copied whole, openxla/xla#45912).
 - QuantizedAttentionSpec (kv_cache_dtype fp8_e4m3 / fp8_e5m2 / int8, paged_jax/core/kv_quant.py):
   the same pages in one byte per element, k_pages and v_pages each
-  [num_blocks, block_size, num_kv_heads, head_dim] in the storage dtype, plus, with the default
+  [num_blocks, block_size, num_kv_heads, head_dim] (int8, or uint8 holding fp8 bit patterns),
+  plus, with the default
   per-token scaling, k_scale and v_scale, each f32[num_blocks, block_size, num_kv_heads]: the
   scales are two more leaves of the same paged layout, so a block's scales move, are shared by
   prefix hits and are evicted with its pages. Slot s of a layer stands for
@@ -108,7 +109,7 @@ class QuantizedAttentionSpec:
     @property
     def page_dtypes(self) -> dict[str, str]:
         """Name -> dtype of each array in page_arrays."""
-        return {name: SCALE_DTYPE if name.endswith("_scale") else self.format.storage_dtype
+        return {name: SCALE_DTYPE if name.endswith("_scale") else self.format.page_dtype
                 for name in self.page_arrays}
 
     @property

@@ -32,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kv_cache_write import get_format, pages_to_values
 from pallas_kernels.ragged_batch import (cdiv, check_ragged_args, max_prefill_blocks, query_blocks, ragged_batch,
                                          split_decodes_and_prefills, token_block_rows, token_sequence)
 
@@ -89,6 +90,7 @@ def _attention_kernel(
     pages_per_compute_block,
     scale_log2,
     scaled,
+    fmt,
 ):
     ks_ref, vs_ref = refs[:2] if scaled else (None, None)
     pages_ref, q_pos0_ref, num_rows_ref, o_ref, *stat_refs = refs[2:] if scaled else refs
@@ -109,8 +111,11 @@ def _attention_kernel(
         m_prev, l_prev, acc_prev = carry  # f32[rows], f32[rows], f32[rows, head_dim]
         pages = pages_ref[pl.ds(step * pages_per_compute_block, pages_per_compute_block)]
         # A quantized tile becomes q's dtype here, in registers (exact: int8 and fp8 fit bf16).
-        k = k_ref[pages].reshape(block_k, head_dim).astype(q.dtype)
-        v = v_ref[pages].reshape(block_k, head_dim).astype(q.dtype)
+        k = k_ref[pages].reshape(block_k, head_dim)
+        v = v_ref[pages].reshape(block_k, head_dim)
+        if fmt is not None:  # uint8 bytes of fp8 values (or int8): reinterpret the loaded tile
+            k, v = pages_to_values(k, fmt), pages_to_values(v, fmt)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
         key_pos = split_start + step * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
         key_valid = key_pos < kv_end
         # Foreign pages and slots past seq_len may hold NaN, and 0 * NaN = NaN: mask V itself.
@@ -142,7 +147,7 @@ def _attention_kernel(
 
 
 def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *, group, sm_scale, num_splits,
-                    block_k, num_warps, num_stages, interpret, k_scale=None, v_scale=None):
+                    block_k, num_warps, num_stages, interpret, k_scale=None, v_scale=None, fmt=None):
     """Launch the kernel over (item, KV head, split) and combine the splits.
 
     q_items: [num_items, num_kv_heads, rows, head_dim]; item_tables: i32[num_items, W];
@@ -166,7 +171,7 @@ def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *,
     stat_shape = jax.ShapeDtypeStruct((num_items, num_splits, num_kv_heads, rows), jnp.float32)
     stat_spec = pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, s, h, 0))
     kernel = functools.partial(_attention_kernel, group=group, pages_per_compute_block=pages_per_compute_block,
-                               scale_log2=sm_scale * LOG2_E, scaled=scaled)
+                               scale_log2=sm_scale * LOG2_E, scaled=scaled, fmt=fmt)
     scale_specs = [pl.BlockSpec((num_blocks, block_size, None), lambda i, h, s: (0, 0, h))] * 2 if scaled else []
     outs = pl.pallas_call(
         kernel,
@@ -217,7 +222,7 @@ def _token_rows(out_items, batch, blocks, token_seq, block_q, group):
 
 
 def _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-                                   sm_scale, interpret, config, k_scale=None, v_scale=None):
+                                   sm_scale, interpret, config, k_scale=None, v_scale=None, fmt=None):
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     max_num_seqs, max_blocks_per_seq = block_tables.shape
@@ -225,7 +230,7 @@ def _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, 
     batch = ragged_batch(seq_lens, query_start_loc, num_seqs)
     token_seq = token_sequence(batch, num_tokens)
     call = functools.partial(_attention_call, k_cache=k_cache, v_cache=v_cache, group=group, sm_scale=sm_scale,
-                             interpret=interpret, k_scale=k_scale, v_scale=v_scale)
+                             interpret=interpret, k_scale=k_scale, v_scale=v_scale, fmt=fmt)
 
     # decode: one item per decoding sequence, all rows of a KV group in one tl.dot tile
     decode_rows = max(MIN_DOT_DIM, _next_power_of_2(group))
@@ -267,16 +272,17 @@ def _check_pallas_args(k_cache, head_dim):
                          "pad head_dim or use the XLA attention")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "config", "kv_cache_dtype"))
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                           sm_scale=None, interpret=False, config=None, k_scale=None, v_scale=None):
+                           sm_scale=None, interpret=False, config=None, k_scale=None, v_scale=None,
+                           kv_cache_dtype=None):
     """Causal attention of a ragged batch of query tokens over paged K/V.
 
     Args:
       q: [num_tokens, num_q_heads, head_dim]; sequence i owns rows
         query_start_loc[i]:query_start_loc[i + 1]; rows past query_start_loc[num_seqs] are padding.
-      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, or a
-        quantized dtype (int8, float8_e4m3fn, float8_e5m2) with q in any float dtype.
+      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, or
+        quantized pages (kv_cache_dtype: int8, or uint8 holding fp8 bits) with q in any float dtype.
       block_tables: i32[max_num_seqs, max_blocks_per_seq], padded with the null page 0.
       seq_lens: i32[max_num_seqs], context length INCLUDING this step's query tokens; 0 when padded.
       query_start_loc: i32[max_num_seqs + 1].
@@ -286,23 +292,28 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
       config: PallasConfig launch parameters (None: the defaults).
       k_scale, v_scale: None (scale 1.0) or, for a quantized cache, its per-token scales, each
         f32[num_blocks, block_size, num_kv_heads]: key slot s stands for k_cache[s] * k_scale[s].
+      kv_cache_dtype: None (a float cache) or the quantized format of the pages ("fp8_e4m3",
+        "fp8_e5m2", "int8"; paged_jax/core/kv_quant.py), static.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype. Query token j of a sequence with q_len
       tokens sits at position seq_len - q_len + j and attends to positions <= its own.
       Padding rows are finite and otherwise unspecified.
     """
-    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale)
+    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale,
+                      kv_cache_dtype)
     _check_pallas_args(k_cache, q.shape[-1])
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     num_seqs = jnp.reshape(num_seqs, ())
     return _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-                                          sm_scale, interpret, config or PallasConfig(), k_scale, v_scale)
+                                          sm_scale, interpret, config or PallasConfig(), k_scale, v_scale,
+                                          get_format(kv_cache_dtype))
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                                     sm_scale=None, interpret=False, config=None, k_scale=None, v_scale=None):
+                                     sm_scale=None, interpret=False, config=None, k_scale=None, v_scale=None,
+                                     kv_cache_dtype=None):
     """Dense per-sequence causal attention over K/V gathered from the pages (float32 softmax).
 
     Same arguments as `ragged_paged_attention` (interpret and config are ignored); the
@@ -311,7 +322,11 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
     those of the bucket and eager calls compile once per bucket. Padding rows are zero.
     """
     del interpret, config
-    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale)
+    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale,
+                      kv_cache_dtype)
+    fmt = get_format(kv_cache_dtype)
+    if fmt is not None:  # a reference may convert every page
+        k_cache, v_cache = pages_to_values(k_cache, fmt), pages_to_values(v_cache, fmt)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads

@@ -19,7 +19,8 @@ from models.config import LlamaConfig
 from models.kv_cache_spec import (FullAttentionSpec, QuantizedAttentionSpec, attention_spec, init_kv_caches,
                                   kv_cache_bytes_per_token)
 from paged_jax.attention import make_attention_backend
-from paged_jax.core.kv_quant import FORMATS, KV_CACHE_DTYPES, check_scale, get_kv_quant_format, quantize_numpy
+from paged_jax.core.kv_quant import (FORMATS, check_scale, from_pages_numpy, get_kv_quant_format, quantize_numpy,
+                                     to_pages_numpy)
 from paged_jax.core.step_inputs import AttentionMetadata
 from pallas_kernels.kv_cache_write import write_kv_cache
 from test_paged_attention import TOLERANCE, attention_f64, build_batch, cdiv, run_impl
@@ -42,6 +43,8 @@ def test_format_table():
     assert FORMATS["fp8_e5m2"].max_value == 57344.0 and FORMATS["fp8_e5m2"].storage_dtype == "float8_e5m2"
     assert FORMATS["int8"].max_value == 127.0 and FORMATS["int8"].storage_dtype == "int8"
     assert all(fmt.itemsize == 1 for fmt in FORMATS.values())
+    # fp8 pages are their bytes (vLLM's uint8 fp8 caches); int8 pages are int8
+    assert [fmt.page_dtype for fmt in FORMATS.values()] == ["uint8", "uint8", "int8"]
 
 
 @pytest.mark.parametrize("bad", ["fp16", "FP8", "e4m3", "", None])
@@ -98,7 +101,7 @@ def test_quantized_spec_layout_keeps_the_paged_invariant():
     assert spec == QuantizedAttentionSpec(2, 16, "bfloat16", "fp8_e4m3", "per_token")
     assert list(spec.page_arrays) == ["k", "v", "k_scale", "v_scale"]
     (cache,) = init_kv_caches([spec], 5, 16)
-    assert [(a.shape, a.dtype.name) for a in cache] == [((5, 16, 2, 16), "float8_e4m3fn")] * 2 + [
+    assert [(a.shape, a.dtype.name) for a in cache] == [((5, 16, 2, 16), "uint8")] * 2 + [
         ((5, 16, 2), "float32")] * 2
     assert spec.bytes_per_token == sum(a.nbytes for a in cache) // (5 * 16) == 2 * 2 * 16 + 2 * 2 * 4
     per_tensor = attention_spec(2, 16, "float32", "int8", "per_tensor")
@@ -123,10 +126,10 @@ def test_quantize_on_write_matches_numpy_and_the_format_error_bound(name):
     k, v = heavy_tailed(rng, (9, num_kv_heads, head_dim)), heavy_tailed(rng, (9, num_kv_heads, head_dim))
     slots = rng.choice(np.arange(block_size, num_blocks * block_size), 9, replace=False).astype(np.int32)
     spec = attention_spec(num_kv_heads, head_dim, "float32", name)
-    cache = tuple(jnp.asarray(rng.integers(-3, 3, a.shape)).astype(a.dtype) for a in spec.allocate(num_blocks,
-                                                                                                    block_size))
+    cache = tuple(jnp.asarray(rng.integers(0, 3, a.shape)).astype(a.dtype) for a in spec.allocate(num_blocks,
+                                                                                                   block_size))
     k_pages, v_pages, k_scale, v_scale = (np.asarray(a) for a in write_kv_cache(
-        jnp.asarray(k), jnp.asarray(v), *cache[:2], jnp.asarray(slots), *cache[2:]))
+        jnp.asarray(k), jnp.asarray(v), *cache[:2], jnp.asarray(slots), *cache[2:], kv_cache_dtype=name))
     flat = lambda a: a.reshape(num_blocks * block_size, *a.shape[2:])  # noqa: E731
 
     # every other slot is untouched
@@ -135,7 +138,7 @@ def test_quantize_on_write_matches_numpy_and_the_format_error_bound(name):
         np.testing.assert_array_equal(flat(new)[untouched].astype(np.float32),
                                       flat(np.asarray(old))[untouched].astype(np.float32))
     for x, pages, scales in ((k, k_pages, k_scale), (v, v_pages, v_scale)):
-        stored, scale = flat(pages)[slots], flat(scales)[slots]
+        stored, scale = from_pages_numpy(flat(pages)[slots], fmt), flat(scales)[slots]
         # amax / max_value (XLA may divide by a constant as a multiply: 1 ulp)
         np.testing.assert_allclose(scale, per_token_scales(x, fmt), rtol=3e-7)
         # bit for bit what numpy / ml_dtypes round to
@@ -162,21 +165,21 @@ def test_large_values_saturate_instead_of_inf_or_nan(name):
     fmt = FORMATS[name]
     x = np.array([[[3e38, -3e38, 1e6, -1e6, 1.0, 0.0, -0.0, 1e-30]]], np.float32)  # [1 token, 1 head, 8]
     # a static scale of 1.0 (per tensor): everything past max_value saturates
-    k_pages, _ = write_kv_cache(jnp.asarray(x), jnp.asarray(x), jnp.zeros((2, 2, 1, 8), fmt.storage_dtype),
-                                jnp.zeros((2, 2, 1, 8), fmt.storage_dtype), jnp.array([2], jnp.int32),
-                                tensor_scales=jnp.ones(2, jnp.float32))
-    stored = np.asarray(k_pages)[1, 0, 0].astype(np.float32)
+    zeros = jnp.zeros((2, 2, 1, 8), fmt.page_dtype)
+    k_pages, _ = write_kv_cache(jnp.asarray(x), jnp.asarray(x), zeros, zeros, jnp.array([2], jnp.int32),
+                                tensor_scales=jnp.ones(2, jnp.float32), kv_cache_dtype=name)
+    stored = from_pages_numpy(np.asarray(k_pages)[1, 0, 0], fmt).astype(np.float32)
     np.testing.assert_array_equal(stored[:4], [fmt.max_value, -fmt.max_value, fmt.max_value, -fmt.max_value])
     assert stored[4] == 1.0 and np.isfinite(stored).all()
     # per-token scales: 3e38 / max_value is a finite scale, and the row dequantizes finite
-    zeros = jnp.zeros((2, 2, 1, 8), fmt.storage_dtype)
     pages, _, scale, _ = write_kv_cache(jnp.asarray(x), jnp.asarray(x), zeros, zeros, jnp.array([2], jnp.int32),
-                                        jnp.zeros((2, 2, 1)), jnp.zeros((2, 2, 1)))
-    deq = np.asarray(pages)[1, 0, 0].astype(np.float64) * float(np.asarray(scale)[1, 0, 0])
+                                        jnp.zeros((2, 2, 1)), jnp.zeros((2, 2, 1)), kv_cache_dtype=name)
+    deq = from_pages_numpy(np.asarray(pages)[1, 0, 0], fmt).astype(np.float64) * float(np.asarray(scale)[1, 0, 0])
     assert np.isfinite(deq).all() and abs(deq[0] - 3e38) <= 3e38 * max(fmt.relative_error, 0.5 / 127)
     # an all-zero row gets a tiny positive scale, not 0 (no 0 / 0)
     _, _, scale, _ = write_kv_cache(jnp.zeros((1, 1, 8)), jnp.zeros((1, 1, 8)), zeros, zeros,
-                                    jnp.array([2], jnp.int32), jnp.zeros((2, 2, 1)), jnp.zeros((2, 2, 1)))
+                                    jnp.array([2], jnp.int32), jnp.zeros((2, 2, 1)), jnp.zeros((2, 2, 1)),
+                                    kv_cache_dtype=name)
     assert np.asarray(scale)[1, 0, 0] > 0
 
 
@@ -202,12 +205,12 @@ def quantized_batch(rng, name, q_lens, seq_lens, **shape):
             pages = np.where(owned[..., None], pages, np.array(np.nan, pages.dtype))
         else:
             pages = np.where(owned[..., None], pages, rng.integers(-127, 128, pages.shape).astype(np.int8))
-        stored += [pages, scale]
+        stored += [to_pages_numpy(pages, fmt), scale]
         deq.append(pages.astype(np.float64) * scale[..., None].astype(np.float64))
     return (q, deq[0], deq[1], *rest), stored
 
 
-def check_quantized(batch, stored, dtype, impls=("xla", "pallas")):
+def check_quantized(batch, stored, dtype, name, impls=("xla", "pallas")):
     q, _, _, block_tables, seq_lens, query_start_loc, num_seqs = batch
     k_pages, k_scale, v_pages, v_scale = stored
     expected = attention_f64(*batch)
@@ -215,7 +218,7 @@ def check_quantized(batch, stored, dtype, impls=("xla", "pallas")):
     args = (jnp.asarray(q, dtype), jnp.asarray(k_pages), jnp.asarray(v_pages), jnp.asarray(block_tables),
             jnp.asarray(seq_lens), jnp.asarray(query_start_loc), jnp.asarray(num_seqs))
     for impl in impls:
-        out = run_impl(impl, *args, k_scale=jnp.asarray(k_scale), v_scale=jnp.asarray(v_scale))
+        out = run_impl(impl, *args, k_scale=jnp.asarray(k_scale), v_scale=jnp.asarray(v_scale), kv_cache_dtype=name)
         assert out.shape == q.shape and out.dtype == dtype
         out = np.asarray(out.astype(jnp.float32))
         assert np.isfinite(out).all(), f"{impl}: NaN pages or scales leaked into rows {np.where(~np.isfinite(out))[0]}"
@@ -229,8 +232,7 @@ QUANT_SHAPES = [  # (num_q_heads, num_kv_heads, head_dim, block_size, dtype)
 
 
 # Every format on the XLA path, and the Pallas kernel (interpret mode: slow) on one format per shape.
-KERNEL_CASES = [(name, 0, ("xla", "pallas") if name == "fp8_e4m3" else ("xla",)) for name in FORMAT_NAMES]
-KERNEL_CASES += [("int8", 1, ("xla", "pallas")), ("fp8_e5m2", 1, ("xla",))]
+KERNEL_CASES = [("fp8_e4m3", 0, ("xla", "pallas")), ("int8", 1, ("xla", "pallas")), ("fp8_e5m2", 0, ("xla",))]
 
 
 @pytest.mark.parametrize("name, shape_index, impls", KERNEL_CASES,
@@ -241,23 +243,14 @@ def test_attention_over_quantized_pages_equals_float64_over_dequantized(name, sh
     num_q_heads, num_kv_heads, head_dim, block_size, dtype = shape
     rng = np.random.default_rng(7 * FORMAT_NAMES.index(name) + QUANT_SHAPES.index(shape))
     bs = block_size
-    # ragged and mixed: chunked prefill on cached context, decodes, a fresh prefill, a page edge
-    q_lens, seq_lens = [bs + 3, 1, bs - 1, 1, 2], [3 * bs + 3, bs + 1, bs - 1, 1, bs]
+    # ragged and mixed: chunked prefill on a long cached context (several XLA chunks and kernel
+    # tiles), decodes, a fresh prefill, a page edge
+    q_lens, seq_lens = [bs + 3, 1, bs - 1, 1, 2], [9 * bs + 3, bs + 1, bs - 1, 1, bs]
     batch, stored = quantized_batch(rng, name, q_lens, seq_lens, num_q_heads=num_q_heads,
                                     num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
                                     dtype=dtype, num_tokens=2 * bs + 16, max_num_seqs=8,
-                                    max_blocks_per_seq=cdiv(128, block_size))
-    check_quantized(batch, stored, dtype, impls)
-
-
-@pytest.mark.parametrize("impl", ["xla"])
-def test_quantized_decode_long_context(impl):
-    rng = np.random.default_rng(3)
-    seq_lens = [300, 1, 129, 64]
-    batch, stored = quantized_batch(rng, "fp8_e4m3", [1] * 4, seq_lens, num_q_heads=4, num_kv_heads=2,
-                                    head_dim=32, block_size=16, dtype=jnp.float32, num_tokens=8, max_num_seqs=4,
-                                    max_blocks_per_seq=cdiv(320, 16))
-    check_quantized(batch, stored, jnp.float32, impls=(impl,))
+                                    max_blocks_per_seq=cdiv(320, block_size))
+    check_quantized(batch, stored, dtype, name, impls)
 
 
 def test_scales_are_required_in_pairs_and_match_the_pages():
@@ -265,16 +258,19 @@ def test_scales_are_required_in_pairs_and_match_the_pages():
             jnp.zeros((2, 2), jnp.int32), jnp.zeros(2, jnp.int32), jnp.zeros(3, jnp.int32), jnp.int32(1))
     for impl in ("xla", "pallas"):
         with pytest.raises(ValueError, match="both k_scale and v_scale"):
-            run_impl(impl, *args, k_scale=jnp.ones((3, 16, 1)))
+            run_impl(impl, *args, k_scale=jnp.ones((3, 16, 1)), kv_cache_dtype="int8")
         with pytest.raises(ValueError, match=r"k_scale must be f32\[3, 16, 1\]"):
-            run_impl(impl, *args, k_scale=jnp.ones((3, 16)), v_scale=jnp.ones((3, 16)))
+            run_impl(impl, *args, k_scale=jnp.ones((3, 16)), v_scale=jnp.ones((3, 16)), kv_cache_dtype="int8")
+        with pytest.raises(ValueError, match="a fp8_e4m3 cache holds uint8 pages"):
+            run_impl(impl, *args, kv_cache_dtype="fp8_e4m3")
+        with pytest.raises(ValueError, match="must be None .* or one of"):
+            run_impl(impl, *args, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="apply to quantized caches"):
         run_impl("xla", args[0], jnp.zeros((3, 16, 1, 16)), jnp.zeros((3, 16, 1, 16)), *args[3:],
                  k_scale=jnp.ones((3, 16, 1)), v_scale=jnp.ones((3, 16, 1)))
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
-@pytest.mark.parametrize("scaling", ["per_token", "per_tensor"])
+@pytest.mark.parametrize("impl, scaling", [("pallas", "per_token"), ("xla", "per_tensor")])
 def test_backend_writes_then_attends(impl, scaling):
     """The backend end to end (write, then attend) for one prefill and one decode sequence:
     the pages it leaves equal numpy's quantization, and its output equals float64 attention
@@ -303,8 +299,8 @@ def test_backend_writes_then_attends(impl, scaling):
         np.testing.assert_allclose(pages[2], per_token_scales(k[:21], fmt), rtol=3e-7)
     else:
         k_scale, v_scale = np.float32(0.5), np.float32(3.0)
-    np.testing.assert_array_equal(pages[0], quantize_numpy(k[:21], fmt, k_scale))
-    np.testing.assert_array_equal(pages[1], quantize_numpy(v[:21], fmt, v_scale))
+    np.testing.assert_array_equal(from_pages_numpy(pages[0], fmt), quantize_numpy(k[:21], fmt, k_scale))
+    np.testing.assert_array_equal(from_pages_numpy(pages[1], fmt), quantize_numpy(v[:21], fmt, v_scale))
     deq_k, deq_v = pages[0] * k_scale.astype(np.float64), pages[1] * v_scale.astype(np.float64)
     for rows, keys in ((slice(0, 20), slice(0, 20)), (slice(20, 21), slice(20, 21))):
         for t in range(rows.start, rows.stop):

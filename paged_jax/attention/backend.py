@@ -118,11 +118,13 @@ class _QuantizedAttentionBackend:
         if self.spec.per_token_scales:
             if kv_scales is not None:
                 raise ValueError("static kv_scales apply to kv_cache_scaling='per_tensor' only")
-            kv_cache = write_kv_cache(k, v, *kv_cache[:2], md.slot_mapping, *kv_cache[2:])
+            kv_cache = write_kv_cache(k, v, *kv_cache[:2], md.slot_mapping, *kv_cache[2:],
+                                      kv_cache_dtype=self.spec.kv_cache_dtype)
             k_pages, v_pages, k_scale, v_scale = kv_cache
             return attend(q, k_pages, v_pages, k_scale=k_scale, v_scale=v_scale), kv_cache
         kv_scales = jnp.ones(2, jnp.float32) if kv_scales is None else jnp.asarray(kv_scales, jnp.float32)
-        kv_cache = write_kv_cache(k, v, *kv_cache, md.slot_mapping, tensor_scales=kv_scales)
+        kv_cache = write_kv_cache(k, v, *kv_cache, md.slot_mapping, tensor_scales=kv_scales,
+                                  kv_cache_dtype=self.spec.kv_cache_dtype)
         # One scale for the whole tensor: fold K's into the queries (in f32), V's into the output.
         q_scaled = (q.astype(jnp.float32) * kv_scales[0]).astype(q.dtype)
         out = attend(q_scaled, *kv_cache)
@@ -138,7 +140,7 @@ class QuantizedXlaAttention(_QuantizedAttentionBackend):
     def _attend(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, sm_scale, **md):
         return ragged_paged_attention_xla(q, k_cache, v_cache, md["block_tables"], md["seq_lens"],
                                           md["query_start_loc"], md["num_seqs"], sm_scale=sm_scale,
-                                          k_scale=k_scale, v_scale=v_scale)
+                                          k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=self.spec.kv_cache_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +155,8 @@ class QuantizedPallasAttention(_QuantizedAttentionBackend):
     def _attend(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, sm_scale, **md):
         return ragged_paged_attention(q, k_cache, v_cache, md["block_tables"], md["seq_lens"],
                                       md["query_start_loc"], md["num_seqs"], sm_scale=sm_scale,
-                                      interpret=self.interpret, config=self.config, k_scale=k_scale, v_scale=v_scale)
+                                      interpret=self.interpret, config=self.config, k_scale=k_scale, v_scale=v_scale,
+                                      kv_cache_dtype=self.spec.kv_cache_dtype)
 
 
 AttentionBackend = XlaAttention | PallasAttention | QuantizedXlaAttention | QuantizedPallasAttention

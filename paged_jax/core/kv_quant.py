@@ -12,6 +12,11 @@ A stored value q and its scale s stand for q * s. Scales are float32:
   1.0 unless given or calibrated; the pages hold no scales.
 Writes round to nearest and saturate at +-max_value, so a large finite value never becomes
 inf or NaN.
+
+Pages hold fp8 values as their bit patterns in uint8 (page_dtype), as vLLM's fp8 caches do:
+page operations (the write's scatter, the attention's gather, offload copies) then move
+plain bytes on every backend (XLA:CPU converted whole fp8 arrays around a scatter or gather),
+and the kernels reinterpret a tile as fp8 once it is loaded.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ class KVQuantFormat:
 
     Attributes:
       name: the canonical kv_cache_dtype ("fp8_e4m3", "fp8_e5m2", "int8").
-      storage_dtype: numpy/ml_dtypes name of the page dtype.
+      storage_dtype: numpy/ml_dtypes name of the element type (float8_e4m3fn, float8_e5m2, int8).
+      page_dtype: the dtype of the pool's page arrays: uint8 holding the fp8 bits, or int8.
       max_value: the largest finite magnitude stored; writes saturate there.
       is_integer: int8 rounds to integers (round half to even); fp8 rounds to the format.
       relative_error: the worst relative error of one element with a per-token scale, as a
@@ -46,6 +52,7 @@ class KVQuantFormat:
 
     name: str
     storage_dtype: str
+    page_dtype: str
     max_value: float
     is_integer: bool
     relative_error: float
@@ -57,13 +64,13 @@ class KVQuantFormat:
 
 def _fp8(name: str, dtype) -> KVQuantFormat:
     info = ml_dtypes.finfo(dtype)
-    return KVQuantFormat(name, np.dtype(dtype).name, float(info.max), False, 2.0 ** -(info.nmant + 1))
+    return KVQuantFormat(name, np.dtype(dtype).name, "uint8", float(info.max), False, 2.0 ** -(info.nmant + 1))
 
 
 FORMATS = {
     "fp8_e4m3": _fp8("fp8_e4m3", ml_dtypes.float8_e4m3fn),
     "fp8_e5m2": _fp8("fp8_e5m2", ml_dtypes.float8_e5m2),
-    "int8": KVQuantFormat("int8", "int8", 127.0, True, 0.5 / 127.0),
+    "int8": KVQuantFormat("int8", "int8", "int8", 127.0, True, 0.5 / 127.0),
 }
 _ALIASES = {"fp8": "fp8_e4m3"}
 
@@ -113,6 +120,18 @@ def quantize_numpy(x, fmt: KVQuantFormat, scale):
     return y.astype(fmt.storage_dtype)
 
 
-def dequantize_numpy(q, scale):
-    """q * scale in float32 (the value a quantized page stands for)."""
+def to_pages_numpy(q, fmt: KVQuantFormat):
+    """Quantized values (fmt.storage_dtype) as page bytes (fmt.page_dtype): a view, no copy."""
+    return np.asarray(q).view(fmt.page_dtype)
+
+
+def from_pages_numpy(pages, fmt: KVQuantFormat):
+    """Page bytes as the quantized values they hold: a view, no copy."""
+    return np.asarray(pages).view(fmt.storage_dtype)
+
+
+def dequantize_numpy(q, scale, fmt: KVQuantFormat | None = None):
+    """q * scale in float32 (the value a quantized page stands for); q may be page bytes if fmt is given."""
+    if fmt is not None:
+        q = from_pages_numpy(q, fmt)
     return np.asarray(q).astype(np.float32) * np.asarray(scale, np.float32)
