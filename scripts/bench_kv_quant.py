@@ -250,7 +250,8 @@ def speed(args) -> dict:
                          speedup_vs_auto=base / t)
         rows.append([name, f"{1e3 * t:.1f}", f"{s / t:.1f}", f"{kv_bytes / 2**20:.1f}", f"{base / t:.2f}x"])
     print_table(f"Decode, {s} sequences x {ctx} tokens of context, {config.num_layers} layers, "
-                f"{config.num_kv_heads} KV heads x {config.head_dim}, {args.dtype} compute, attention={args.impl}, "
+                f"{config.num_kv_heads} KV heads x {config.head_dim}, {args.dtype} compute, "
+                f"attention={runners['auto'][0].attention_impl}, "
                 f"{jax.default_backend()}; median of {args.steps} interleaved steps",
                 ["kv_cache_dtype", "step ms", "decode tok/s", "K/V MiB read / step", "vs auto"], rows)
     return dict(formats=out, seqs=s, context=ctx, dtype=args.dtype, impl=args.impl, steps=args.steps,
