@@ -271,8 +271,14 @@ class DeepseekV2ForCausalLM(nnx.Module):
         return jnp.einsum("...D,VD->...V", self.norm(x), head[...].astype(self.config.dtype),
                           preferred_element_type=jnp.float32).astype(jnp.float32)
 
-    def kv_cache_specs(self, dtype=None) -> tuple[MLAAttentionSpec, ...]:
-        """One spec per layer: the latent and the rope key (dtype defaults to the compute dtype)."""
+    def kv_cache_specs(self, dtype=None, kv_cache_dtype: str = "auto",
+                       kv_cache_scaling: str = "per_token") -> tuple[MLAAttentionSpec, ...]:
+        """One spec per layer: the latent and the rope key (dtype defaults to the compute dtype).
+
+        The latent pool is not quantized: kv_cache_dtype must be "auto" (ValueError otherwise)."""
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the MLA latent cache (DeepSeek-V2) is stored in the "
+                             "model's dtype only; use kv_cache_dtype='auto'")
         c = self.config
         return (MLAAttentionSpec(c.kv_lora_rank, c.qk_rope_head_dim, str(jnp.dtype(dtype or c.dtype))),) * c.num_layers
 

@@ -17,6 +17,16 @@ Layouts (the one place they are written down):
   [num_blocks, block_size, qk_rope_head_dim]: one latent and one rope key per token, shared
   by every head. Two arrays rather than one [.., kv_lora_rank + qk_rope_head_dim] row, so
   each is a power of two wide (512 and 64 at DeepSeek-V2 shapes) for the Triton kernel.
+- QuantizedAttentionSpec (kv_cache_dtype fp8_e4m3 / fp8_e5m2 / int8, paged_jax/core/kv_quant.py):
+  the same pages in one byte per element, k_pages and v_pages each
+  [num_blocks, block_size, num_kv_heads, head_dim] (int8, or uint8 holding fp8 bit patterns),
+  plus, with the default
+  per-token scaling, k_scale and v_scale, each f32[num_blocks, block_size, num_kv_heads]: the
+  scales are two more leaves of the same paged layout, so a block's scales move, are shared by
+  prefix hits and are evicted with its pages. Slot s of a layer stands for
+  k_pages[s] * k_scale[s][:, None]. With per-tensor scaling the layer's cache is only
+  (k_pages, v_pages) and its static K and V scales (vLLM's k_scale / v_scale) are runtime
+  inputs of the layer program (ModelRunner.kv_scales), not leaves of the pool.
 """
 
 from __future__ import annotations
@@ -25,6 +35,9 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+
+from paged_jax.core.kv_quant import (FORMATS, SCALE_DTYPE, KVQuantFormat, check_kv_cache_scaling,
+                                     get_kv_quant_format)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,11 +101,91 @@ class MLAAttentionSpec:
         return tuple(jnp.zeros((num_blocks, block_size, *shape), self.dtype) for shape in self.page_arrays.values())
 
 
-KVCacheSpec = FullAttentionSpec | MLAAttentionSpec  # grows with the cache formats (quantized pages)
+@dataclasses.dataclass(frozen=True)
+class QuantizedAttentionSpec:
+    """FullAttentionSpec's keys and values stored in one byte per element (quantized on write).
+
+    Attributes:
+      num_kv_heads, head_dim: the shape one token stores per page array.
+      dtype: the model's compute dtype (queries and the attention output stay in it).
+      kv_cache_dtype: "fp8_e4m3", "fp8_e5m2" or "int8" (paged_jax/core/kv_quant.py FORMATS).
+      scaling: "per_token" (scales beside the pages) or "per_tensor" (one static scale a layer).
+    """
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    kv_cache_dtype: str
+    scaling: str = "per_token"
+
+    def __post_init__(self):
+        if self.kv_cache_dtype not in FORMATS:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {tuple(FORMATS)} "
+                             "(get_kv_quant_format resolves aliases)")
+        check_kv_cache_scaling(self.scaling)
+
+    @property
+    def format(self) -> KVQuantFormat:
+        return FORMATS[self.kv_cache_dtype]
+
+    @property
+    def per_token_scales(self) -> bool:
+        return self.scaling == "per_token"
+
+    @property
+    def page_arrays(self) -> dict[str, tuple[int, ...]]:
+        """Name -> per-token shape of each array a layer keeps, in the order of its cache tuple."""
+        shape = (self.num_kv_heads, self.head_dim)
+        arrays = {"k": shape, "v": shape}
+        if self.per_token_scales:
+            arrays |= {"k_scale": (self.num_kv_heads,), "v_scale": (self.num_kv_heads,)}
+        return arrays
+
+    @property
+    def page_dtypes(self) -> dict[str, str]:
+        """Name -> dtype of each array in page_arrays."""
+        return {name: SCALE_DTYPE if name.endswith("_scale") else self.format.page_dtype
+                for name in self.page_arrays}
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs in one layer, scales included."""
+        return sum(int(np.prod(shape)) * np.dtype(self.page_dtypes[name]).itemsize
+                   for name, shape in self.page_arrays.items())
+
+    def allocate(self, num_blocks: int, block_size: int):
+        """The zeroed cache tuple, one array per page_arrays entry, each [num_blocks, block_size, ...]."""
+        dtypes = self.page_dtypes
+        return tuple(jnp.zeros((num_blocks, block_size, *shape), dtypes[name])
+                     for name, shape in self.page_arrays.items())
 
 
-def kv_cache_bytes_per_token(specs) -> int:
-    """Bytes one token costs across all layers: the unit the engine sizes its pool in."""
+KVCacheSpec = FullAttentionSpec | MLAAttentionSpec | QuantizedAttentionSpec
+
+
+def attention_spec(num_kv_heads: int, head_dim: int, dtype: str, kv_cache_dtype: str = "auto",
+                   kv_cache_scaling: str = "per_token") -> KVCacheSpec:
+    """The spec of a GQA layer for a kv_cache_dtype: FullAttentionSpec in `dtype` for "auto",
+    else a QuantizedAttentionSpec (ValueError for an unknown name, listing the choices)."""
+    fmt = get_kv_quant_format(kv_cache_dtype)
+    check_kv_cache_scaling(kv_cache_scaling)
+    if fmt is None:
+        return FullAttentionSpec(num_kv_heads, head_dim, dtype)
+    return QuantizedAttentionSpec(num_kv_heads, head_dim, dtype, fmt.name, kv_cache_scaling)
+
+
+def kv_cache_bytes_per_token(specs, kv_cache_dtype: str | None = None, kv_cache_scaling: str = "per_token") -> int:
+    """Bytes one token costs across all layers: the unit the engine sizes its pool in.
+
+    Args:
+      specs: the model's per-layer cache specs; or a Llama-family config (num_layers,
+        num_kv_heads, head_dim, dtype) together with a kv_cache_dtype ("auto" = config.dtype).
+      kv_cache_dtype, kv_cache_scaling: only with a config.
+    """
+    if kv_cache_dtype is not None:
+        c = specs
+        spec = attention_spec(c.num_kv_heads, c.head_dim, c.dtype, kv_cache_dtype, kv_cache_scaling)
+        specs = (spec,) * c.num_layers
     return sum(spec.bytes_per_token for spec in specs)
 
 

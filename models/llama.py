@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.config import PRESETS, Llama3RopeScaling, LlamaConfig
-from models.kv_cache_spec import FullAttentionSpec
+from models.kv_cache_spec import FullAttentionSpec, KVCacheSpec, attention_spec
 from models.layers import DecoderLayer, RMSNorm
 
 __all__ = ["PRESETS", "Llama3RopeScaling", "LlamaConfig", "LlamaForCausalLM"]
@@ -56,10 +56,18 @@ class LlamaForCausalLM(nnx.Module):
         return jnp.einsum("...D,VD->...V", x, head[...].astype(self.config.dtype),
                           preferred_element_type=jnp.float32).astype(jnp.float32)
 
-    def kv_cache_specs(self, dtype=None) -> tuple[FullAttentionSpec, ...]:
-        """One spec per layer: K and V per KV head (dtype defaults to the compute dtype)."""
+    def kv_cache_specs(self, dtype=None, kv_cache_dtype: str = "auto",
+                       kv_cache_scaling: str = "per_token") -> tuple[KVCacheSpec, ...]:
+        """One spec per layer: K and V per KV head (dtype defaults to the compute dtype).
+
+        kv_cache_dtype "auto" stores them in dtype; "fp8" / "fp8_e4m3" / "fp8_e5m2" / "int8"
+        in one byte per element, scaled per kv_cache_scaling (models/kv_cache_spec.py).
+        """
         c = self.config
-        spec = FullAttentionSpec(c.num_kv_heads, c.head_dim, str(jnp.dtype(dtype or c.dtype)))
+        if kv_cache_dtype == "auto":
+            spec = FullAttentionSpec(c.num_kv_heads, c.head_dim, str(jnp.dtype(dtype or c.dtype)))
+        else:
+            spec = attention_spec(c.num_kv_heads, c.head_dim, c.dtype, kv_cache_dtype, kv_cache_scaling)
         return (spec,) * c.num_layers
 
     def embed(self, token_ids):

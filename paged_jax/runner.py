@@ -39,12 +39,14 @@ import threading
 import weakref
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.kv_cache_spec import init_kv_caches, kv_cache_bytes_per_token
+from models.kv_cache_spec import QuantizedAttentionSpec, init_kv_caches, kv_cache_bytes_per_token
 from paged_jax.attention import make_attention_backend
 from paged_jax.core.config import CacheConfig, SchedulerConfig
+from paged_jax.core.kv_quant import check_scale
 from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
 from paged_jax.sampler import sample
 
@@ -109,6 +111,24 @@ def unpack_step_inputs(packed, like: StepInputs) -> StepInputs:
     return jax.tree.unflatten(treedef, fields)
 
 
+def static_kv_scales(spec, kv_scales, num_layers: int):
+    """f32[num_layers, 2] device array of per-layer (k_scale, v_scale) for a per-tensor quantized
+    spec (kv_scales: None = 1.0, one pair, or one pair per layer); None for any other spec."""
+    if not isinstance(spec, QuantizedAttentionSpec) or spec.per_token_scales:
+        if kv_scales is not None:
+            raise ValueError("kv_scales (static K/V scales) need kv_cache_scaling='per_tensor' and a quantized "
+                             "kv_cache_dtype; drop them or set both")
+        return None
+    pairs = np.ones((num_layers, 2)) if kv_scales is None else np.array(kv_scales, dtype=object)
+    if pairs.shape == (2,):
+        pairs = np.array([kv_scales] * num_layers, dtype=object)
+    if pairs.shape != (num_layers, 2):
+        raise ValueError(f"kv_scales must be one (k_scale, v_scale) pair or {num_layers} of them (one per layer), "
+                         f"got shape {pairs.shape}")
+    values = [[check_scale(f"kv_scales[{i}][{j}]", s) for j, s in enumerate(pair)] for i, pair in enumerate(pairs)]
+    return jnp.asarray(values, jnp.float32)
+
+
 # Runners whose background threads (the pool's zeroing, the warm-up) may still run: at exit
 # each one finishes what is inside XLA and drops the buckets not started, so the
 # interpreter never stops under a running computation (which aborts the process).
@@ -133,6 +153,10 @@ class ModelRunner:
       attention_impl: "xla", "pallas" or None (pallas on GPU, xla elsewhere); interpret runs
         the Pallas kernel in interpret mode. Turned into one backend for the model's cache spec.
       kv_cache_dtype: defaults to the model's compute dtype.
+      kv_cache_quant: "auto" (pages in kv_cache_dtype) or a quantized format ("fp8", "fp8_e4m3",
+        "fp8_e5m2", "int8"; paged_jax/core/kv_quant.py), with kv_cache_scaling "per_token" or
+        "per_tensor"; kv_scales: the static (k_scale, v_scale) of per-tensor scaling, one pair for
+        every layer or one per layer (None: 1.0). They are runtime inputs of the layer program.
       layers_per_program: decoder layers one compiled program runs (a divisor of the layer
         count); None: _default_layers_per_program(num_layers). The layer count itself compiles the
         whole stack into one program: the old step time, at the old compile time per bucket.
@@ -140,17 +164,19 @@ class ModelRunner:
 
     def __init__(self, model, cache_config: CacheConfig, scheduler_config: SchedulerConfig, *,
                  attention_impl: str | None = None, interpret: bool = False, kv_cache_dtype=None,
-                 layers_per_program: int | None = None):
+                 layers_per_program: int | None = None, kv_cache_quant: str = "auto",
+                 kv_cache_scaling: str = "per_token", kv_scales=None):
         self.config = model.config
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.num_blocks = cache_config.num_blocks
-        specs = model.kv_cache_specs(kv_cache_dtype)
+        specs = model.kv_cache_specs(kv_cache_dtype, kv_cache_quant, kv_cache_scaling)
         if len(set(specs)) != 1:
             raise ValueError("layers with different cache specs need one backend each; this runner builds one")
         self.kv_cache_specs = specs
         self.attention = make_attention_backend(specs[0], attention_impl, interpret=interpret)
         self.attention_impl = self.attention.name
+        self.kv_scales = static_kv_scales(specs[0], kv_scales, len(specs))
         self.token_buckets = scheduler_config.token_buckets
         self.seq_buckets = scheduler_config.seq_buckets
         num_layers = len(model.layers)
@@ -167,6 +193,9 @@ class ModelRunner:
         groups = [tuple(graphdefs[i : i + layers_per_program]) for i in range(0, num_layers, layers_per_program)]
         self._group_graphdefs = list(dict.fromkeys(groups))  # distinct kinds of group, first seen first
         self._group_kind = [self._group_graphdefs.index(group) for group in groups]
+        # Each group's static K/V scales (per-tensor quantized pools), sliced once, not per step.
+        self._group_kv_scales = [None if self.kv_scales is None else self.kv_scales[i : i + layers_per_program]
+                                 for i in range(0, num_layers, layers_per_program)]
         self.layer_params = [nnx.state(layer) for layer in model.layers]
         self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
         # jax zeroes a new buffer before it returns it (3 GB took 1.5-3.5 s on this CPU), so the
@@ -219,14 +248,16 @@ class ModelRunner:
     def _embed_fn(self, head_params, token_ids):
         return self._model(head_params).embed(token_ids)
 
-    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata, graphdefs=None):
+    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata, graphdefs=None, kv_scales=None):
         """layers_per_program consecutive layers: their params and caches are lists; graphdefs
-        (static) are their graphs, by default those of the first group."""
+        (static) are their graphs, by default those of the first group; kv_scales, f32[layers, 2],
+        their static K/V scales when the pool is quantized per tensor."""
         new_caches = []
         graphdefs = graphdefs if graphdefs is not None else self._group_graphdefs[0]
-        for graphdef, params, kv_cache in zip(graphdefs, layer_params, kv_caches):
+        for i, (graphdef, params, kv_cache) in enumerate(zip(graphdefs, layer_params, kv_caches)):
             layer = nnx.merge(graphdef, params)
-            x, kv_cache = layer(x, positions, kv_cache, attn_metadata, self.attention)
+            attention = self.attention if kv_scales is None else self.attention.with_kv_scales(kv_scales[i])
+            x, kv_cache = layer(x, positions, kv_cache, attn_metadata, attention)
             new_caches.append(kv_cache)
         return x, new_caches
 
@@ -245,9 +276,10 @@ class ModelRunner:
         def embed_fn(head_params, packed):
             return self._embed_fn(head_params, unpack_step_inputs(packed, like).model.token_ids)
 
-        def layer_fn(layer_params, x, kv_caches, packed, graphdefs):
+        def layer_fn(layer_params, x, kv_caches, packed, kv_scales, graphdefs):
             inputs = unpack_step_inputs(packed, like)
-            return self._layer_fn(layer_params, x, kv_caches, inputs.model.positions, inputs.attention, graphdefs)
+            return self._layer_fn(layer_params, x, kv_caches, inputs.model.positions, inputs.attention, graphdefs,
+                                  kv_scales)
 
         def head_fn(head_params, x, packed):
             return self._head_fn(head_params, x, unpack_step_inputs(packed, like))
@@ -256,11 +288,12 @@ class ModelRunner:
         embed = jax.jit(embed_fn).lower(head_params, packed).compile()
         x = jax.eval_shape(embed_fn, head_params, packed)
         k = self.layers_per_program
+        kv_scales = None if self.kv_scales is None else abstract(self.kv_scales[:k])
         layers = []  # one program per kind of layer group
         for kind, graphdefs in enumerate(self._group_graphdefs):
             first = self._group_kind.index(kind) * k
             layers.append(jax.jit(functools.partial(layer_fn, graphdefs=graphdefs), donate_argnums=(2,)).lower(
-                abstract(self.layer_params[first : first + k]), x, self._abstract_caches, packed).compile())
+                abstract(self.layer_params[first : first + k]), x, self._abstract_caches, packed, kv_scales).compile())
         head = jax.jit(head_fn).lower(head_params, x, packed).compile()
         return embed, tuple(layers), head
 
@@ -318,7 +351,8 @@ class ModelRunner:
         kv_caches, k = self.kv_caches, self.layers_per_program
         for i in range(0, len(kv_caches), k):
             layer = layers[self._group_kind[i // k]]  # the program of this group's kind of layers
-            x, kv_caches[i : i + k] = layer(self.layer_params[i : i + k], x, kv_caches[i : i + k], packed)
+            x, kv_caches[i : i + k] = layer(self.layer_params[i : i + k], x, kv_caches[i : i + k], packed,
+                                            self._group_kv_scales[i // k])
         token_ids, logprobs = head(self.head_params, x, packed)
         self.num_steps += 1
         return np.asarray(token_ids), np.asarray(logprobs)

@@ -11,6 +11,12 @@ Two launches share the kernel body: decodes (one row block per decoding sequence
 context split flash-decoding style and combined by logsumexp) and prefill chunks (blocks
 of `prefill_rows` rows, one split). Items with nothing to do exit at once, so a batch
 without prefills or without decodes costs an empty launch, not a branch on the host.
+
+Quantized caches (int8 / fp8 pages, models/kv_cache_spec.py QuantizedAttentionSpec) are read
+a tile at a time and converted to q's dtype in registers; their per-token scales
+(k_scale, v_scale: f32[num_blocks, block_size, num_kv_heads]) multiply the tile's scores and
+probabilities, so no dequantized page exists anywhere, and a decode step reads one byte per
+K/V element plus 4 bytes per (token, KV head) of scales.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kv_cache_write import get_format, pages_to_values
 from pallas_kernels.ragged_batch import (cdiv, check_ragged_args, max_prefill_blocks, query_blocks, ragged_batch,
                                          split_decodes_and_prefills, token_block_rows, token_sequence)
 
@@ -71,17 +78,22 @@ def _next_power_of_2(n):
 
 def _attention_kernel(
     q_ref,  # [rows, head_dim]: one work item, one KV head; row = token * group + head
-    k_ref,  # [num_blocks, block_size, head_dim]: KV head h of k_cache
+    k_ref,  # [num_blocks, block_size, head_dim]: KV head h of k_cache (q's dtype or quantized)
     v_ref,  # [num_blocks, block_size, head_dim]
-    pages_ref,  # i32[pages_per_split]: this split's slice of the item's block table
-    q_pos0_ref,  # i32[1]: position of the item's first query token
-    num_rows_ref,  # i32[1]: real query tokens of the item; 0 means nothing to do
-    o_ref,  # [rows, head_dim]: normalised within this split
-    *stat_refs,  # m_ref, l_ref: f32[rows] in log2 units, only when the context is split
+    *refs,  # (ks_ref, vs_ref: f32[num_blocks, block_size], KV head h's scales, only when scaled),
+    # pages_ref: i32[pages_per_split], this split's slice of the item's block table,
+    # q_pos0_ref: i32[1], position of the item's first query token,
+    # num_rows_ref: i32[1], real query tokens of the item; 0 means nothing to do,
+    # o_ref: [rows, head_dim], normalised within this split,
+    # m_ref, l_ref: f32[rows] in log2 units, only when the context is split
     group,
     pages_per_compute_block,
     scale_log2,
+    scaled,
+    fmt,
 ):
+    ks_ref, vs_ref = refs[:2] if scaled else (None, None)
+    pages_ref, q_pos0_ref, num_rows_ref, o_ref, *stat_refs = refs[2:] if scaled else refs
     rows, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
     pages_per_split = pages_ref.shape[0]
@@ -98,20 +110,28 @@ def _attention_kernel(
     def body(step, carry):
         m_prev, l_prev, acc_prev = carry  # f32[rows], f32[rows], f32[rows, head_dim]
         pages = pages_ref[pl.ds(step * pages_per_compute_block, pages_per_compute_block)]
+        # A quantized tile becomes q's dtype here, in registers (exact: int8 and fp8 fit bf16).
         k = k_ref[pages].reshape(block_k, head_dim)
         v = v_ref[pages].reshape(block_k, head_dim)
+        if fmt is not None:  # uint8 bytes of fp8 values (or int8): reinterpret the loaded tile
+            k, v = pages_to_values(k, fmt), pages_to_values(v, fmt)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
         key_pos = split_start + step * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
         key_valid = key_pos < kv_end
         # Foreign pages and slots past seq_len may hold NaN, and 0 * NaN = NaN: mask V itself.
         v = jnp.where(key_valid[:, None], v, jnp.zeros((), v.dtype))
         scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                                  preferred_element_type=jnp.float32) * scale_log2  # [rows, block_k]
+        if scaled:  # q . (k s) = (q . k) s per key
+            scores = scores * ks_ref[pages].reshape(block_k)[None, :]
         visible = key_valid[None, :] & (key_pos[None, :] <= row_pos)
         scores = jnp.where(visible, scores, MASK_VALUE)
         m_next = jnp.maximum(m_prev, scores.max(axis=1))
         correction = jnp.exp2(m_prev - m_next)
         probs = jnp.exp2(scores - m_next[:, None])
         l_next = l_prev * correction + probs.sum(axis=1)
+        if scaled:  # sum_k p (v s) = sum_k (p s) v; unowned slots' scales may be NaN
+            probs = probs * jnp.where(key_valid, vs_ref[pages].reshape(block_k), 0.0)[None, :]
         pv = lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
         return m_next, l_next, acc_prev * correction[:, None] + pv
@@ -127,15 +147,17 @@ def _attention_kernel(
 
 
 def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *, group, sm_scale, num_splits,
-                    block_k, num_warps, num_stages, interpret):
+                    block_k, num_warps, num_stages, interpret, k_scale=None, v_scale=None, fmt=None):
     """Launch the kernel over (item, KV head, split) and combine the splits.
 
     q_items: [num_items, num_kv_heads, rows, head_dim]; item_tables: i32[num_items, W];
-    q_pos0, num_rows: i32[num_items]. Returns [num_items, num_kv_heads, rows, head_dim] f32.
+    q_pos0, num_rows: i32[num_items]; k_scale, v_scale: None or f32[num_blocks, block_size,
+    num_kv_heads]. Returns [num_items, num_kv_heads, rows, head_dim] f32.
     """
     num_items, num_kv_heads, rows, head_dim = q_items.shape
     num_blocks, block_size, _, _ = k_cache.shape
-    tile_bytes = 2 * num_stages * head_dim * k_cache.dtype.itemsize  # per key of block_k
+    scaled = k_scale is not None
+    tile_bytes = 2 * num_stages * (head_dim * k_cache.dtype.itemsize + 4 * scaled)  # per key of block_k
     while block_k > MIN_DOT_DIM and block_k * tile_bytes > SHARED_MEMORY_BUDGET:
         block_k //= 2
     # Short tables need no more pages per step than they have, but tl.dot needs >= 16 keys.
@@ -149,7 +171,8 @@ def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *,
     stat_shape = jax.ShapeDtypeStruct((num_items, num_splits, num_kv_heads, rows), jnp.float32)
     stat_spec = pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, s, h, 0))
     kernel = functools.partial(_attention_kernel, group=group, pages_per_compute_block=pages_per_compute_block,
-                               scale_log2=sm_scale * LOG2_E)
+                               scale_log2=sm_scale * LOG2_E, scaled=scaled, fmt=fmt)
+    scale_specs = [pl.BlockSpec((num_blocks, block_size, None), lambda i, h, s: (0, 0, h))] * 2 if scaled else []
     outs = pl.pallas_call(
         kernel,
         grid=(num_items, num_kv_heads, num_splits),
@@ -157,6 +180,7 @@ def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *,
             pl.BlockSpec((None, None, rows, head_dim), lambda i, h, s: (i, h, 0, 0)),  # q: item i, KV head h
             pl.BlockSpec((num_blocks, block_size, None, head_dim), lambda i, h, s: (0, 0, h, 0)),  # k: head h pages
             pl.BlockSpec((num_blocks, block_size, None, head_dim), lambda i, h, s: (0, 0, h, 0)),  # v: head h pages
+        ] + scale_specs + [  # k_scale, v_scale: head h's per-token scales (quantized caches)
             pl.BlockSpec((None, pages_per_split), lambda i, h, s: (i, s)),  # pages of split s of item i
             pl.BlockSpec((1,), lambda i, h, s: (i,)),  # q_pos0 of item i
             pl.BlockSpec((1,), lambda i, h, s: (i,)),  # num_rows of item i
@@ -168,7 +192,7 @@ def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_{rows=}_{block_k=}_{num_splits=}",
-    )(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows)
+    )(q_items, k_cache, v_cache, *((k_scale, v_scale) if scaled else ()), item_tables, q_pos0, num_rows)
     if not split:
         return outs[0][:, 0].astype(jnp.float32)
     o, m, l = outs
@@ -198,7 +222,7 @@ def _token_rows(out_items, batch, blocks, token_seq, block_q, group):
 
 
 def _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-                                   sm_scale, interpret, config):
+                                   sm_scale, interpret, config, k_scale=None, v_scale=None, fmt=None):
     num_tokens, num_q_heads, _ = q.shape
     num_kv_heads = k_cache.shape[2]
     max_num_seqs, max_blocks_per_seq = block_tables.shape
@@ -206,7 +230,7 @@ def _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, 
     batch = ragged_batch(seq_lens, query_start_loc, num_seqs)
     token_seq = token_sequence(batch, num_tokens)
     call = functools.partial(_attention_call, k_cache=k_cache, v_cache=v_cache, group=group, sm_scale=sm_scale,
-                             interpret=interpret)
+                             interpret=interpret, k_scale=k_scale, v_scale=v_scale, fmt=fmt)
 
     # decode: one item per decoding sequence, all rows of a KV group in one tl.dot tile
     decode_rows = max(MIN_DOT_DIM, _next_power_of_2(group))
@@ -248,15 +272,17 @@ def _check_pallas_args(k_cache, head_dim):
                          "pad head_dim or use the XLA attention")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "config", "kv_cache_dtype"))
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                           sm_scale=None, interpret=False, config=None):
+                           sm_scale=None, interpret=False, config=None, k_scale=None, v_scale=None,
+                           kv_cache_dtype=None):
     """Causal attention of a ragged batch of query tokens over paged K/V.
 
     Args:
       q: [num_tokens, num_q_heads, head_dim]; sequence i owns rows
         query_start_loc[i]:query_start_loc[i + 1]; rows past query_start_loc[num_seqs] are padding.
-      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype.
+      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype, or
+        quantized pages (kv_cache_dtype: int8, or uint8 holding fp8 bits) with q in any float dtype.
       block_tables: i32[max_num_seqs, max_blocks_per_seq], padded with the null page 0.
       seq_lens: i32[max_num_seqs], context length INCLUDING this step's query tokens; 0 when padded.
       query_start_loc: i32[max_num_seqs + 1].
@@ -264,23 +290,30 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
       sm_scale: softmax scale, default 1/sqrt(head_dim).
       interpret: run the kernel in interpret mode (CPU tests).
       config: PallasConfig launch parameters (None: the defaults).
+      k_scale, v_scale: None (scale 1.0) or, for a quantized cache, its per-token scales, each
+        f32[num_blocks, block_size, num_kv_heads]: key slot s stands for k_cache[s] * k_scale[s].
+      kv_cache_dtype: None (a float cache) or the quantized format of the pages ("fp8_e4m3",
+        "fp8_e5m2", "int8"; paged_jax/core/kv_quant.py), static.
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype. Query token j of a sequence with q_len
       tokens sits at position seq_len - q_len + j and attends to positions <= its own.
       Padding rows are finite and otherwise unspecified.
     """
-    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
+    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale,
+                      kv_cache_dtype)
     _check_pallas_args(k_cache, q.shape[-1])
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     num_seqs = jnp.reshape(num_seqs, ())
     return _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-                                          sm_scale, interpret, config or PallasConfig())
+                                          sm_scale, interpret, config or PallasConfig(), k_scale, v_scale,
+                                          get_format(kv_cache_dtype))
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                                     sm_scale=None, interpret=False, config=None):
+                                     sm_scale=None, interpret=False, config=None, k_scale=None, v_scale=None,
+                                     kv_cache_dtype=None):
     """Dense per-sequence causal attention over K/V gathered from the pages (float32 softmax).
 
     Same arguments as `ragged_paged_attention` (interpret and config are ignored); the
@@ -289,7 +322,11 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
     those of the bucket and eager calls compile once per bucket. Padding rows are zero.
     """
     del interpret, config
-    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
+    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale,
+                      kv_cache_dtype)
+    fmt = get_format(kv_cache_dtype)
+    if fmt is not None:  # a reference may convert every page
+        k_cache, v_cache = pages_to_values(k_cache, fmt), pages_to_values(v_cache, fmt)
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -301,6 +338,9 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
         start, end, seq_len = query_start_loc[i], query_start_loc[i + 1], seq_lens[i]
         k = k_cache[block_tables[i]].reshape(-1, num_kv_heads, head_dim).astype(jnp.float32)  # [L, K, D]
         v = v_cache[block_tables[i]].reshape(-1, num_kv_heads, head_dim).astype(jnp.float32)
+        if k_scale is not None:  # dequantize this sequence's pages (a reference may)
+            k = k * k_scale[block_tables[i]].reshape(-1, num_kv_heads, 1)
+            v = v * v_scale[block_tables[i]].reshape(-1, num_kv_heads, 1)
         v = jnp.where((key_pos < seq_len)[:, None, None], v, 0.0)  # unowned slots may be NaN
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [L, H, D]
         q_pos = seq_len - (end - start) + (token - start)  # [T]

@@ -12,6 +12,8 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 
+from paged_jax.core.kv_quant import FORMATS
+
 # Sequence counts are small (<= a few hundred): one fused compare beats a log-depth loop of
 # tiny kernels on a GPU, and costs little on a CPU.
 SEARCH = "compare_all"
@@ -109,7 +111,26 @@ def token_block_rows(batch, blocks, token_seq, block_q):
     return jnp.clip(flat, 0, num_rows_total - 1)
 
 
-def check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs):
+def _check_quantized_cache(q, k_cache, v_cache, k_scale, v_scale, kv_cache_dtype):
+    """A quantized cache: one-byte pages of its format's page dtype, q in a float dtype, scales
+    both or neither."""
+    if kv_cache_dtype not in FORMATS:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} must be None (a float cache) or one of {tuple(FORMATS)}")
+    page_dtype = FORMATS[kv_cache_dtype].page_dtype
+    if k_cache.dtype != page_dtype or v_cache.dtype != page_dtype:
+        raise ValueError(f"a {kv_cache_dtype} cache holds {page_dtype} pages, got {k_cache.dtype=}, {v_cache.dtype=}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"attention needs a floating q, got {q.dtype=}")
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("give both k_scale and v_scale (per-token scales) or neither (scale 1.0)")
+    for name, arr in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if arr is not None and (arr.dtype != jnp.float32 or arr.shape != k_cache.shape[:3]):
+            raise ValueError(f"{name} must be f32{list(k_cache.shape[:3])} ([num_blocks, block_size, num_kv_heads]), "
+                             f"got {arr.dtype}{arr.shape}")
+
+
+def check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale=None,
+                      v_scale=None, kv_cache_dtype=None):
     """Trace-time checks of a ragged paged-attention call (both impls): a ValueError that names the fix."""
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got {q.shape=}")
@@ -117,7 +138,11 @@ def check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_l
         raise ValueError(f"k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got {k_cache.shape=}")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have k_cache's shape {k_cache.shape}, got {v_cache.shape=}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    if kv_cache_dtype is not None:
+        _check_quantized_cache(q, k_cache, v_cache, k_scale, v_scale, kv_cache_dtype)
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale / v_scale apply to quantized caches (kv_cache_dtype one of {tuple(FORMATS)})")
+    elif not (q.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError(
             f"q, k_cache and v_cache must share one dtype, got {q.dtype=}, {k_cache.dtype=}, {v_cache.dtype=}; "
             "cast q to the cache dtype"

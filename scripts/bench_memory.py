@@ -25,6 +25,11 @@ token costs per layer, from each model's own kv_cache_specs(): Llama-3.1-8B's GQ
 of 8 heads x 128) vs a DeepSeek-V2-style MLA (latent 512 + rope key 64); then, in a fixed
 KV budget (--mla-budget-gib), how many full-length sequences fit and how many of the same
 workload's requests the paged scheduler runs at once. Target: the seed's 3-4x smaller cache.
+
+KV-cache dtype rows (issue 14): the same KV byte budget (--kv-budget-tokens tokens of
+--kv-model in bfloat16) buys budget // kv_cache_bytes_per_token(config, kv_cache_dtype) slots
+for each kv_cache_dtype (scales included), and the paged run is repeated with that many:
+how many tokens the pool holds and how many requests run at once.
 """
 
 from __future__ import annotations
@@ -182,6 +187,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mla-budget-gib", type=float, default=8.0, help="KV budget of the MLA vs GQA-8 rows")
+    parser.add_argument("--kv-model", default="llama-3.1-8b", help="preset whose bytes per token size the "
+                        "kv_cache_dtype rows")
     parser.add_argument("--out", default=None, help="default: results/bench_memory[_quick].json")
     args = parser.parse_args(argv)
     args.out = args.out or f"results/bench_memory{'_quick' if args.quick else ''}.json"
@@ -235,8 +242,42 @@ def main(argv=None) -> int:
     print_table(f"KV per token: MLA (latent 512 + rope 64) vs GQA-8 (8 x 128 K and V), hidden "
                 f"{result['mla_vs_gqa8']['hidden_size']}, bf16, paged block {args.block_size}",
                 ["metric", "GQA-8 (Llama-3.1-8B)", "MLA (DeepSeek-V2 attention)", "MLA / GQA-8"], rows)
+    result["kv_cache_dtypes"] = kv_dtype_rows(prompts, output_lens, args, common)
     write_json(args.out, result)
     return 0
+
+
+def kv_dtype_rows(prompts, output_lens, args, common) -> dict:
+    """The paged run at one KV byte budget for each kv_cache_dtype (see the module docstring)."""
+    from models.config import LlamaConfig
+    from models.kv_cache_spec import kv_cache_bytes_per_token
+
+    config = LlamaConfig.from_preset(args.kv_model, dtype="bfloat16")
+    budget_bytes = args.kv_budget_tokens * kv_cache_bytes_per_token(config, "auto")
+    variants = [("float32", "auto", "-"), ("bfloat16", "auto", "-"), ("bfloat16", "fp8", "per_token"),
+                ("bfloat16", "int8", "per_token"), ("bfloat16", "fp8", "per_tensor")]
+    out, rows = {}, []
+    base = None
+    for dtype, kv, scaling in variants:
+        per_token = kv_cache_bytes_per_token(LlamaConfig.from_preset(args.kv_model, dtype=dtype), kv,
+                                             "per_token" if scaling == "-" else scaling)
+        tokens = budget_bytes // per_token // args.block_size * args.block_size
+        run = simulate(prompts, output_lens, block_size=args.block_size, **{**common, "budget_tokens": tokens})
+        name = f"{dtype} / {kv}" + ("" if scaling == "-" else f" / {scaling}")
+        out[name] = dict(bytes_per_token=per_token, tokens=tokens, max_concurrent=run["max_concurrent"],
+                         mean_concurrent_kv_bound=run["mean_concurrent_kv_bound"], steps=run["steps"],
+                         num_preemptions=run["num_preemptions"])
+        if (dtype, kv) == ("bfloat16", "auto"):
+            base = out[name]
+    for name, r in out.items():
+        rows.append([name, f"{r['bytes_per_token'] / 1024:.1f}", r["tokens"], f"{r['tokens'] / base['tokens']:.2f}x",
+                     r["max_concurrent"], f"{r['mean_concurrent_kv_bound']:.1f}",
+                     f"{r['mean_concurrent_kv_bound'] / base['mean_concurrent_kv_bound']:.2f}x", r["steps"]])
+    print_table(f"Same KV budget ({budget_bytes / 2**30:.2f} GiB = {args.kv_budget_tokens} bf16 tokens of "
+                f"{args.kv_model}), paged block {args.block_size}, per kv_cache_dtype",
+                ["dtype / kv_cache_dtype", "KiB / token", "tokens held", "vs bf16", "max requests at once",
+                 "mean at once, queued", "vs bf16", "steps to drain"], rows)
+    return dict(kv_model=args.kv_model, budget_bytes=budget_bytes, rows=out)
 
 
 if __name__ == "__main__":

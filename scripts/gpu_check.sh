@@ -7,6 +7,10 @@
 #   2. scripts/gpu_bench_attention.py: copy bandwidth, decode 64x4096 (+ ragged), prefill
 #      TFLOP/s, against jax's own paged_attention and contiguous attention; prints a table
 #      and writes gpu_bench_attention.json to $OUT (the device tool) or results/;
+#   2b. scripts/gpu_bench_kv_quant.py (issue 14, at most 90 s): decode 64x4096 over bf16 vs
+#      fp8_e4m3 / fp8_e5m2 / int8 pages with per-token scales; K/V bytes per step, GB/s and the
+#      ratio to bf16 (target >= 1.7x); writes gpu_bench_kv_quant.json. The kernel tests above
+#      include tests/test_kv_quant.py (quantized pages vs float64, interpret off);
 #   3. scripts/gpu_bench_e2e.py: LLM engine tokens/s, Llama-3.2-1B-shaped random bf16 model,
 #      64 prompts x 512 tokens, 128 new tokens. The engine hashes blocks with cbor2, which the
 #      GPU image lacks: before the run, fetch its wheel into .whl/ (git-ignored) and carry it:
@@ -28,13 +32,15 @@ PY="${PYTHON:-}"
 if [[ -z "$PY" ]]; then
   if python3 -c "import jax" 2>/dev/null; then PY=python3; else PY=/work/venv/bin/python; fi
 fi
-TESTS=(tests/test_paged_attention.py tests/test_kv_cache_write.py tests/test_cuda_lowering.py tests/test_mla_attention.py)
+TESTS=(tests/test_paged_attention.py tests/test_kv_cache_write.py tests/test_cuda_lowering.py tests/test_mla_attention.py
+       tests/test_kv_quant.py)
 
 if [[ $DRY_RUN == 1 ]]; then
   echo "== dry run: CPU, interpret mode, tiny shapes =="
   export JAX_PLATFORMS=cpu
   timeout 300 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" -k "mixed or lowers or donated or launch_configs"
   timeout 300 "$PY" scripts/gpu_bench_attention.py --dry-run --out "${OUT:-${TMPDIR:-/tmp}}" --budget-s 120
+  timeout 300 "$PY" scripts/gpu_bench_kv_quant.py --dry-run --out "${OUT:-${TMPDIR:-/tmp}}"
   timeout 300 "$PY" scripts/gpu_bench_e2e.py --dry-run --out "${OUT:-${TMPDIR:-/tmp}}"
   exit 0
 fi
@@ -53,6 +59,8 @@ set -e
 unset JAX_DEFAULT_MATMUL_PRECISION  # the benchmark measures bf16 at the default precision
 echo "== benchmark =="
 timeout 200 "$PY" scripts/gpu_bench_attention.py --budget-s 130 ${OUT:+--out "$OUT"}
+echo "== quantized KV decode (issue 14) =="
+timeout 90 "$PY" scripts/gpu_bench_kv_quant.py ${OUT:+--out "$OUT"} || echo "kv-quant rows failed (exit $?)"
 echo "== end to end =="
 if ! "$PY" -c "import cbor2" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from paged_jax.core.kv_quant import FORMATS
 from pallas_kernels.kv_cache_write import write_kv_cache
 from pallas_kernels.paged_attention import PallasConfig, ragged_paged_attention
 
@@ -66,3 +67,33 @@ def test_mla_attention_lowers_for_cuda_at_deepseek_v2_lite_shapes(config):
     fn = functools.partial(mla_paged_attention, sm_scale=192 ** -0.5, config=config)
     text = lower_for_cuda(fn, *args)
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, "expected the decode and the prefill kernel"
+
+
+# quantized pages (int8 / fp8): the kernels read one byte per element and per-token f32 scales
+QUANTIZED_FORMATS = ["fp8_e4m3", "fp8_e5m2", "int8"]
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED_FORMATS)
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_quantized_pallas_attention_lowers_for_cuda(kv_cache_dtype, q_dtype):
+    q, cache, _, *rest = attention_args(32, 8, q_dtype)
+    pages = jax.ShapeDtypeStruct(cache.shape, FORMATS[kv_cache_dtype].page_dtype)
+    scales = jax.ShapeDtypeStruct(cache.shape[:3], jnp.float32)
+    fn = lambda *a, k_scale, v_scale: ragged_paged_attention(*a, k_scale=k_scale, v_scale=v_scale,  # noqa: E731
+                                                             kv_cache_dtype=kv_cache_dtype)
+    text = jax.jit(fn).trace(q, pages, pages, *rest, k_scale=scales, v_scale=scales).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, "expected the decode and the prefill kernel"
+    # the scale operands reach the kernels: f32[2048, 16, 8] appears as a Triton operand type
+    assert "2048x16x8xf32" in text
+
+
+@pytest.mark.parametrize("kv_cache_dtype", QUANTIZED_FORMATS)
+def test_quantize_on_write_lowers_for_cuda(kv_cache_dtype):
+    pages = jax.ShapeDtypeStruct((NUM_BLOCKS, BLOCK_SIZE, 8, HEAD_DIM), FORMATS[kv_cache_dtype].page_dtype)
+    scales = jax.ShapeDtypeStruct((NUM_BLOCKS, BLOCK_SIZE, 8), jnp.float32)
+    rows = jax.ShapeDtypeStruct((NUM_TOKENS, 8, HEAD_DIM), jnp.bfloat16)
+    write = functools.partial(write_kv_cache, kv_cache_dtype=kv_cache_dtype)
+    text = lower_for_cuda(write, rows, rows, pages, pages, jax.ShapeDtypeStruct((NUM_TOKENS,), jnp.int32),
+                          scales, scales)
+    assert text.count("scatter") >= 4  # pages and scales of K and V

@@ -12,10 +12,12 @@ an MLA latent) adds a spec in models/kv_cache_spec.py and its backends here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 
-from models.kv_cache_spec import FullAttentionSpec, MLAAttentionSpec
+from models.kv_cache_spec import FullAttentionSpec, MLAAttentionSpec, QuantizedAttentionSpec
 from paged_jax.attention.xla import ragged_paged_attention_xla
 from pallas_kernels.kv_cache_write import write_kv_cache
 from pallas_kernels.paged_attention import PallasConfig, ragged_paged_attention
@@ -80,7 +82,84 @@ class PallasAttention(_FullAttentionBackend):
         return ragged_paged_attention(*args, sm_scale=sm_scale, interpret=self.interpret, config=self.config)
 
 
-AttentionBackend = XlaAttention | PallasAttention
+@dataclasses.dataclass(frozen=True)
+class _QuantizedAttentionBackend:
+    """Shared body of the quantized backends (QuantizedAttentionSpec): quantize on write, then
+    attend over the one-byte pages, dequantized per tile inside the implementation."""
+
+    spec: QuantizedAttentionSpec
+
+    name = "base"
+
+    def with_kv_scales(self, kv_scales):
+        """This backend with one layer's static (k_scale, v_scale), f32[2] (per-tensor scaling):
+        the runner binds each layer's pair as a runtime input of its layer program."""
+        return functools.partial(self, kv_scales=kv_scales)
+
+    def __call__(self, q, k, v, kv_cache, attn_metadata, *, sm_scale: float, kv_scales=None):
+        """Quantize k, v into the pages at attn_metadata.slot_mapping, then attend.
+
+        Args:
+          q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (any float dtype;
+            q is cast to spec.dtype, the model's compute dtype).
+          kv_cache: per-token scaling: (k_pages, v_pages, k_scale, v_scale), pages
+            [num_blocks, block_size, num_kv_heads, head_dim] in the storage dtype and scales
+            f32[num_blocks, block_size, num_kv_heads]; per-tensor scaling: (k_pages, v_pages).
+          attn_metadata: a paged_jax.core.step_inputs.AttentionMetadata.
+          sm_scale: softmax scale.
+          kv_scales: f32[2] static (k_scale, v_scale) of this layer (per-tensor scaling; None: 1.0).
+        Returns:
+          ([T, num_q_heads, head_dim] in spec.dtype, the updated cache tuple).
+        """
+        md = attn_metadata
+        q = q.astype(self.spec.dtype)
+        attend = functools.partial(self._attend, block_tables=md.block_tables, seq_lens=md.seq_lens,
+                                   query_start_loc=md.query_start_loc, num_seqs=md.num_seqs, sm_scale=sm_scale)
+        if self.spec.per_token_scales:
+            if kv_scales is not None:
+                raise ValueError("static kv_scales apply to kv_cache_scaling='per_tensor' only")
+            kv_cache = write_kv_cache(k, v, *kv_cache[:2], md.slot_mapping, *kv_cache[2:],
+                                      kv_cache_dtype=self.spec.kv_cache_dtype)
+            k_pages, v_pages, k_scale, v_scale = kv_cache
+            return attend(q, k_pages, v_pages, k_scale=k_scale, v_scale=v_scale), kv_cache
+        kv_scales = jnp.ones(2, jnp.float32) if kv_scales is None else jnp.asarray(kv_scales, jnp.float32)
+        kv_cache = write_kv_cache(k, v, *kv_cache, md.slot_mapping, tensor_scales=kv_scales,
+                                  kv_cache_dtype=self.spec.kv_cache_dtype)
+        # One scale for the whole tensor: fold K's into the queries (in f32), V's into the output.
+        q_scaled = (q.astype(jnp.float32) * kv_scales[0]).astype(q.dtype)
+        out = attend(q_scaled, *kv_cache)
+        return (out.astype(jnp.float32) * kv_scales[1]).astype(q.dtype), kv_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedXlaAttention(_QuantizedAttentionBackend):
+    """Gather-based attention over quantized pages (paged_jax/attention/xla.py, per chunk)."""
+
+    name = "xla"
+
+    def _attend(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, sm_scale, **md):
+        return ragged_paged_attention_xla(q, k_cache, v_cache, md["block_tables"], md["seq_lens"],
+                                          md["query_start_loc"], md["num_seqs"], sm_scale=sm_scale,
+                                          k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=self.spec.kv_cache_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedPallasAttention(_QuantizedAttentionBackend):
+    """The Pallas/Triton kernel over quantized pages (per tile); interpret=True runs it on CPU."""
+
+    interpret: bool = False
+    config: PallasConfig = PallasConfig()
+
+    name = "pallas"
+
+    def _attend(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, sm_scale, **md):
+        return ragged_paged_attention(q, k_cache, v_cache, md["block_tables"], md["seq_lens"],
+                                      md["query_start_loc"], md["num_seqs"], sm_scale=sm_scale,
+                                      interpret=self.interpret, config=self.config, k_scale=k_scale, v_scale=v_scale,
+                                      kv_cache_dtype=self.spec.kv_cache_dtype)
+
+
+AttentionBackend = XlaAttention | PallasAttention | QuantizedXlaAttention | QuantizedPallasAttention
 
 
 def make_attention_backend(spec, impl: str | None = None, *, interpret: bool = False,
@@ -107,11 +186,15 @@ def make_attention_backend(spec, impl: str | None = None, *, interpret: bool = F
         if pallas_config is not None:
             raise ValueError("pallas_config is a GQA PallasConfig; the MLA kernel takes its own MlaPallasConfig")
         return MlaPallasAttention(spec, interpret)
-    if not isinstance(spec, FullAttentionSpec):
-        raise ValueError(f"no attention backend for a {type(spec).__name__}; this build knows FullAttentionSpec "
-                         "and MLAAttentionSpec")
+    if isinstance(spec, FullAttentionSpec):
+        xla_backend, pallas_backend = XlaAttention, PallasAttention
+    elif isinstance(spec, QuantizedAttentionSpec):
+        xla_backend, pallas_backend = QuantizedXlaAttention, QuantizedPallasAttention
+    else:
+        raise ValueError(f"no attention backend for a {type(spec).__name__}; this build knows FullAttentionSpec, "
+                         "QuantizedAttentionSpec and MLAAttentionSpec")
     if impl == "xla":
         if interpret or pallas_config is not None:
             raise ValueError("interpret and pallas_config apply to attention_impl='pallas' only")
-        return XlaAttention(spec)
-    return PallasAttention(spec, interpret, pallas_config or PallasConfig())
+        return xla_backend(spec)
+    return pallas_backend(spec, interpret, pallas_config or PallasConfig())

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_kernels.kv_cache_write import get_format, pages_to_values
 from pallas_kernels.ragged_batch import (cdiv, check_ragged_args, max_prefill_blocks, query_blocks, ragged_batch,
                                          split_decodes_and_prefills)
 
@@ -39,12 +40,17 @@ PREFILL_GROUP = 8  # prefill blocks per outer step
 CONTEXT_CHUNK_TOKENS = 128  # small chunks stay in cache and let causal blocks stop early (bench_attention.py)
 
 
-def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_scale):
+def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_scale, k_scale=None, v_scale=None,
+                  fmt=None):
     """Attention of one group of query blocks over their pages, chunk by chunk.
 
     Args:
       q: [num_tokens, num_q_heads, head_dim].
-      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+      k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype or a
+        quantized one (each chunk is converted to q's dtype as it is read).
+      k_scale, v_scale: None or f32[num_blocks, block_size, num_kv_heads], per-token scales of
+        a quantized cache: folded into the chunk's scores (K) and probabilities (V), so no
+        dequantized copy of even a chunk is formed.
       tables: i32[B, W'], each block's sequence's block table, W' whole chunks of pages.
       q_pos0, num_rows: i32[B], first query position and real rows (0: padding block).
       row_token: i32[B, Q], the token row of each query row.
@@ -68,18 +74,29 @@ def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_s
         pages = lax.dynamic_slice_in_dim(tables, chunk * chunk_pages, chunk_pages, axis=1)
         k = k_cache[pages].reshape(num_blocks_g, chunk_len, num_kv_heads, head_dim)
         v = v_cache[pages].reshape(num_blocks_g, chunk_len, num_kv_heads, head_dim)
+        if fmt is not None:  # quantized pages: this chunk's bytes become values, then q's dtype
+            k, v = pages_to_values(k, fmt), pages_to_values(v, fmt)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
         key_pos = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)  # [C]
         key_valid = key_pos[None, :] < kv_end[:, None]  # [B, C]
         # Slots past seq_len and pages of other sequences may hold NaN: a zero weight times
         # NaN is still NaN, so the values themselves are masked, not only the scores.
         v = jnp.where(key_valid[:, :, None, None], v, jnp.zeros((), v.dtype))
         scores = jnp.einsum("BQKGD,BCKD->BKGQC", q_blocks, k, preferred_element_type=jnp.float32)
+        if k_scale is not None:
+            # [B, C, K] -> [B, K, 1, 1, C]: q . (k * s) = (q . k) * s per key.
+            scores = scores * k_scale[pages].reshape(num_blocks_g, chunk_len, num_kv_heads).transpose(
+                0, 2, 1)[:, :, None, None, :]
         visible = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [B, Q, C]
         scores = jnp.where(visible[:, None, None], scores * sm_scale, MASK_VALUE)
         m_next = jnp.maximum(m_prev, scores.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
         probs = jnp.exp(scores - m_next[..., None])
         l_next = l_prev * correction + probs.sum(axis=-1)
+        if v_scale is not None:
+            vs = v_scale[pages].reshape(num_blocks_g, chunk_len, num_kv_heads)
+            vs = jnp.where(key_valid[:, :, None], vs, 0.0)  # unowned slots' scales may be NaN too
+            probs = probs * vs.transpose(0, 2, 1)[:, :, None, None, :]  # sum_c p (v s) = sum_c (p s) v
         pv = jnp.einsum("BKGQC,BCKD->BKGQD", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return m_next, l_next, acc_prev * correction[..., None] + pv
 
@@ -94,7 +111,7 @@ def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_s
 
 
 def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_scale, *, block_q, num_blocks,
-                   group_blocks):
+                   group_blocks, k_scale=None, v_scale=None, fmt=None):
     """Attention for the tokens of `q_lens` (a subset of the batch), blocks of block_q rows.
 
     Each group's rows are scattered straight into `out` ([num_tokens, num_q_heads, head_dim])
@@ -123,7 +140,7 @@ def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_sca
         def group_step(g, out):
             take = functools.partial(lax.dynamic_slice_in_dim, start_index=first_block + g * size, slice_size=size)
             out_g = _attend_group(q, k_cache, v_cache, tables[take(blocks.seq)], take(blocks.q_pos0),
-                                  take(blocks.num_rows), take(blocks.row_token), sm_scale)
+                                  take(blocks.num_rows), take(blocks.row_token), sm_scale, k_scale, v_scale, fmt)
             return out.at[take(dest)].set(out_g.astype(out.dtype), mode="drop")
 
         return lax.fori_loop(0, num_groups, group_step, out)
@@ -144,16 +161,18 @@ def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_sca
     return run_groups(out, num_full_groups * group_blocks, num_real_blocks % group_blocks, 1)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale",))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_cache_dtype"))
 def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                               sm_scale=None):
+                               sm_scale=None, k_scale=None, v_scale=None, kv_cache_dtype=None):
     """Causal attention of a ragged batch of query tokens over paged K/V, gather-based.
 
     Args and Returns: those of pallas_kernels.paged_attention.ragged_paged_attention (the
-    contract both paths share, with every shape), without its interpret and config. Padding
-    rows here are zero.
+    contract both paths share, with every shape, quantized caches (kv_cache_dtype) and their
+    per-token k_scale / v_scale included), without its interpret and config. Padding rows here
+    are zero.
     """
-    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs)
+    check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale,
+                      kv_cache_dtype)
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
     num_tokens = q.shape[0]
@@ -161,7 +180,8 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, quer
     batch = ragged_batch(seq_lens, query_start_loc, jnp.reshape(num_seqs, ()))
     split = split_decodes_and_prefills(batch)
     attend = functools.partial(_attend_blocks, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-                               batch=batch, sm_scale=sm_scale)
+                               batch=batch, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
+                               fmt=get_format(kv_cache_dtype))
     out = jnp.zeros(q.shape, q.dtype)  # padding rows stay zero
     # decode: one single-row block per decoding sequence
     out = attend(out, q_lens=split.decode_q_lens, block_q=1, num_blocks=max_num_seqs,

@@ -1,0 +1,175 @@
+"""The engine with a quantized KV pool: prefix caching, preemption, chunked prefill, donation.
+
+Reference: the dense generation loop (no cache, no paging) with the same quantization applied
+to K and V where they are computed (quantize, then dequantize, per token and KV head, or with
+the static per-tensor scales). The paged engine stores the quantized values and dequantizes
+them inside attention, so it must pick the reference's greedy tokens in every configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from engine_reference import (BLOCK_SIZE, ENGINE_CONFIGS, MAX_MODEL_LEN, assert_no_leak, big_llm, greedy_params,
+                              make_prompts, run_to_completion)
+from models.layers import Attention
+from paged_jax.core.config import CacheConfig, SchedulerConfig
+from paged_jax.core.kv_quant import FORMATS
+from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.runner import ModelRunner
+from pallas_kernels.kv_cache_write import dequantize_pages, quantize_rows
+
+LOGPROB_TOL = 1e-3  # the dense loop and the kernels round differently (f32): a rare rounding flip of one element
+
+
+def fake_quant_dense_greedy(prompts, max_tokens, kv_cache_dtype, kv_scales=None):
+    """dense_greedy (engine_reference) with K and V quantized and dequantized as computed."""
+    fmt = FORMATS[kv_cache_dtype]
+    original = Attention._qkv
+
+    def fake(x, scale):
+        stored, row_scale = quantize_rows(x, fmt, scale)
+        return dequantize_pages(stored, row_scale).astype(x.dtype)
+
+    def qkv(self, x, positions):
+        q, k, v = original(self, x, positions)
+        return q, fake(k, None if kv_scales is None else kv_scales[0]), fake(v, None if kv_scales is None
+                                                                           else kv_scales[1])
+
+    graphdef, state = nnx.split(big_llm().engine.model)
+
+    @jax.jit
+    def step(token_ids, last):
+        logits = nnx.merge(graphdef, state).dense_forward(token_ids)
+        return jax.nn.log_softmax(jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], axis=-1)
+
+    Attention._qkv = qkv  # traced once, below; restored before anything else traces a layer
+    try:
+        n = len(prompts)
+        tokens = np.zeros((-(-n // 8) * 8, MAX_MODEL_LEN), np.int32)
+        lens = np.ones(tokens.shape[0], np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)], lens[i] = p, len(p)
+        outs, logprobs = [[] for _ in range(n)], [[] for _ in range(n)]
+        while active := [i for i in range(n) if len(outs[i]) < max_tokens[i]]:
+            logp = np.asarray(step(jnp.asarray(tokens), jnp.asarray(lens - 1)))
+            for i in active:
+                t = int(np.argmax(logp[i]))
+                outs[i].append(t)
+                logprobs[i].append(float(logp[i, t]))
+                tokens[i, lens[i]] = t
+                lens[i] += 1
+        return outs, logprobs
+    finally:
+        Attention._qkv = original
+
+
+@functools.cache
+def quantized_engine(name: str, kv_cache_dtype: str = "fp8", **kwargs) -> LLMEngine:
+    base = big_llm().engine
+    config = EngineConfig(model="tiny", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, warm_up="full",
+                          kv_cache_dtype=kv_cache_dtype, **ENGINE_CONFIGS[name], **kwargs)
+    return LLMEngine(config, model=base.model, tokenizer=base.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    prompts, max_tokens = make_prompts(seed=1, num=16)
+    assert all(len(p) + m <= MAX_MODEL_LEN for p, m in zip(prompts, max_tokens))
+    return prompts, max_tokens
+
+
+def run(engine, prompts, max_tokens, prefix):
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(f"{prefix}-{i}", p, greedy_params(m, logprobs=True))
+    finished = run_to_completion(engine)
+    return [finished[f"{prefix}-{i}"] for i in range(len(prompts))]
+
+
+def check_against_reference(outputs, reference, engine, before):
+    ref_tokens, ref_logprobs = reference
+    assert [o.token_ids for o in outputs] == ref_tokens
+    for o, ref in zip(outputs, ref_logprobs):
+        np.testing.assert_allclose(o.outputs[0].logprobs, ref, atol=LOGPROB_TOL, rtol=0)
+    after = engine.get_stats()
+    assert after["prefix_cache_hits"] > before["prefix_cache_hits"]  # the shared system prompt's blocks
+    assert after["num_compilations"] == before["num_compilations"]
+    assert_no_leak(engine)
+    return after
+
+
+@pytest.mark.slow
+def test_fp8_engine_with_preemption_matches_fake_quantized_dense_reference(workload):
+    """An fp8 pool with per-token scales, small enough that requests are preempted (and
+    recomputed, their prefix blocks found again in the cache): the dense loop's greedy tokens
+    over the same quantized K/V, logprobs within rounding, and the pool comes back whole."""
+    prompts, max_tokens = workload
+    reference = fake_quant_dense_greedy(prompts, max_tokens, "fp8_e4m3")
+    engine = quantized_engine("small_pool")
+    before = engine.get_stats()
+    after = check_against_reference(run(engine, prompts, max_tokens, "fp8"), reference, engine, before)
+    assert after["num_preemptions"] > before["num_preemptions"]
+
+
+@pytest.mark.slow
+def test_int8_per_tensor_engine_with_chunked_prefill_matches_fake_quantized_dense_reference(workload):
+    """int8 with static per-tensor scales (runtime inputs of the layer programs; one pair for
+    every layer here, so the dense reference can apply them too), prompts longer than the
+    step budget prefilled in chunks over a quantized prefix."""
+    prompts, max_tokens = workload
+    scales = (0.03, 0.02)
+    reference = fake_quant_dense_greedy(prompts, max_tokens, "int8", kv_scales=scales)
+    engine = quantized_engine("chunked", "int8", kv_cache_scaling="per_tensor", kv_scales=scales)
+    assert sum(len(p) > ENGINE_CONFIGS["chunked"]["max_num_batched_tokens"] for p in prompts) >= 4
+    before = engine.get_stats()
+    check_against_reference(run(engine, prompts, max_tokens, "int8"), reference, engine, before)
+
+
+def test_quantized_pool_is_sized_and_donated_in_place():
+    """The quantized pool's leaves (pages and scales) are donated to each layer program and
+    updated in place: the compiled program aliases them all and its temporaries stay far below
+    one layer's cache, so no dequantized copy of the cache exists (memory analysis; a pool of
+    4097 blocks so that the pool, not the step's activations, dominates)."""
+    model = big_llm().engine.model
+    config = model.config
+    num_blocks = 4097
+    runner = ModelRunner(model, CacheConfig(BLOCK_SIZE, num_blocks, MAX_MODEL_LEN), SchedulerConfig(8, 16, MAX_MODEL_LEN),
+                         kv_cache_quant="fp8")
+    per_token = config.num_kv_heads * (2 * config.head_dim * 1 + 2 * 4)  # fp8 pages + f32 scales
+    assert runner.kv_cache_bytes == config.num_layers * num_blocks * BLOCK_SIZE * per_token
+    assert [a.dtype.name for a in runner.kv_caches[0]] == ["uint8"] * 2 + ["float32"] * 2
+    layer_cache_bytes = runner.kv_cache_bytes // config.num_layers
+    k = runner.layers_per_program
+    (t, s), = runner.bucket_shapes()
+    layer = runner.compiled_memory(t, s)["layer"]
+    assert layer.alias_size_in_bytes == k * layer_cache_bytes
+    # a dequantized f32 copy of one layer's pages would be 3.2x layer_cache_bytes
+    assert layer.temp_size_in_bytes < layer_cache_bytes / 4
+    assert layer.output_size_in_bytes - layer.alias_size_in_bytes < layer_cache_bytes / 4
+    before = [a for cache in runner.kv_caches for a in cache]
+    runner.execute(runner.dummy_inputs(t, s))
+    assert all(a.is_deleted() for a in before), "the step kept the old pages alive: donation did not happen"
+
+
+def test_memory_budget_holds_more_tokens_when_quantized():
+    """The same kv_cache_memory_bytes buys 8 * head_dim / (2 * head_dim + 8) times the blocks of
+    f32 (scales included: 3.2x at the tiny model's head_dim 16, 3.88x at 128) and half that over bf16."""
+    model = big_llm().engine.model
+    budget = 1 << 20
+    blocks = {}
+    for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8"), ("float32", "int8")):
+        config = EngineConfig(model="tiny", kv_cache_memory_bytes=budget, dtype=dtype, kv_cache_dtype=kv,
+                              max_model_len=MAX_MODEL_LEN)
+        blocks[(dtype, kv)] = config.resolve(model)[0].num_blocks
+    head_dim = model.config.head_dim
+    assert blocks[("float32", "fp8")] == blocks[("float32", "int8")]
+    # per (token, KV head): f32 8 * head_dim bytes, bf16 4 * head_dim, fp8 2 * head_dim + 8
+    expected_ratio = 8 * head_dim / (2 * head_dim + 8)
+    assert abs(blocks[("float32", "fp8")] / blocks[("float32", "auto")] - expected_ratio) < 0.05
+    assert abs(blocks[("float32", "fp8")] / blocks[("bfloat16", "auto")] - expected_ratio / 2) < 0.05
