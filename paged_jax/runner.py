@@ -84,6 +84,20 @@ def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_m
     return max_num_seqs * -(-max_model_len // block_size) + 1
 
 
+def _page_bucket(num_blocks: int) -> int:
+    """Copies of n blocks run at the next power of two >= max(n, 8): a few compiled shapes."""
+    return max(8, 1 << (num_blocks - 1).bit_length())
+
+
+def _gather_pages_fn(kv_caches, block_ids):
+    return [leaf[block_ids] for cache in kv_caches for leaf in cache]
+
+
+def _put_pages_fn(kv_caches, block_ids, pages):
+    pages = iter(pages)
+    return [tuple(leaf.at[block_ids].set(next(pages)) for leaf in cache) for cache in kv_caches]
+
+
 # Runners whose warm-up thread may still run: at exit each one finishes the bucket it is
 # compiling and drops the rest, so the interpreter never stops mid-compilation.
 _WARMING_UP: weakref.WeakSet = weakref.WeakSet()
@@ -155,6 +169,9 @@ class ModelRunner:
         k = self.layers_per_program
         # Shapes only: the warm-up thread must not read the live caches the steps donate.
         self._abstract_caches = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv_caches[:k])
+        # Page copies for the offload tiers: one program each per power-of-two block count.
+        self._gather_pages = jax.jit(_gather_pages_fn)
+        self._put_pages = jax.jit(_put_pages_fn, donate_argnums=(0,))
 
     # the three programs of a step (traced once per shape, at compile time)
     def _model(self, head_params):
@@ -234,12 +251,19 @@ class ModelRunner:
             fitting = [shape for shape in self._programs if shape[0] >= num_tokens and shape[1] >= num_seqs]
         return min(fitting) if fitting else (t, s)
 
-    def execute(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+    def execute(self, inputs: StepInputs, copies=None) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step; returns (sampled token ids i32[S], their logprobs f32[S]) on the host.
 
         Rows past inputs.num_seqs are padding. A step with no sequences (only finished or
-        aborted requests to release) runs nothing.
+        aborted requests to release) runs no model program. `copies` (offload.StepCopies or
+        None): pages copied down to the host tier, then up from it, before the step (the
+        blocks they leave or fill are reused by this step), and persisted after it.
         """
+        if copies is not None:
+            if copies.store_block_ids.size:
+                copies.store(self.gather_pages(copies.store_block_ids))
+            if copies.load_block_ids.size:
+                self.put_pages(copies.load_block_ids, copies.load())
         if inputs.num_seqs == 0:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
         embed, layer, head = self._programs_for((inputs.model.token_ids.shape[0],
@@ -252,7 +276,41 @@ class ModelRunner:
                                             inputs.model.positions, inputs.attention)
         token_ids, logprobs = head(self.head_params, x, inputs)
         self.num_steps += 1
+        if copies is not None and copies.persist_block_ids.size:
+            copies.persist(self.gather_pages(copies.persist_block_ids))
         return np.asarray(token_ids), np.asarray(logprobs)
+
+    # page copies (offload tiers)
+    def page_leaves(self) -> list[tuple[tuple[int, ...], str]]:
+        """(page shape [block_size, ...], dtype name) of every cache leaf, layer-major: the
+        order gather_pages returns and put_pages takes."""
+        return [(tuple(leaf.shape[1:]), str(leaf.dtype)) for cache in self.kv_caches for leaf in cache]
+
+    def gather_pages(self, block_ids: np.ndarray) -> list[np.ndarray]:
+        """Copies the pages of block_ids to the host: one array [n, block_size, ...] per leaf.
+
+        One program reads every layer's pages (the ids padded to a power of two with the null
+        block), and one device-to-host transfer brings them back.
+        """
+        n = len(block_ids)
+        ids = np.zeros(_page_bucket(n), np.int32)
+        ids[:n] = block_ids
+        pages = jax.device_get(self._gather_pages(self.kv_caches, ids))
+        return [np.asarray(page)[:n] for page in pages]
+
+    def put_pages(self, block_ids: np.ndarray, pages: list[np.ndarray]) -> None:
+        """Writes pages (one array [n, block_size, ...] per leaf) into block_ids, in place: the
+        caches are donated to the program (padding rows write the null page)."""
+        n = len(block_ids)
+        bucket = _page_bucket(n)
+        ids = np.zeros(bucket, np.int32)
+        ids[:n] = block_ids
+        padded = []
+        for page in pages:
+            full = np.zeros((bucket, *page.shape[1:]), page.dtype)
+            full[:n] = page
+            padded.append(full)
+        self.kv_caches = list(self._put_pages(self.kv_caches, ids, padded))
 
     def bucket_shapes(self) -> list[tuple[int, int]]:
         """Every (token bucket, sequence bucket) a step can land in (SchedulerConfig.bucket_shapes),
