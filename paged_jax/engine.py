@@ -223,6 +223,8 @@ class LLMEngine:
         self.kv_events = KVEventLog() if c.enable_kv_events else None
         self.offload = build_offload_manager(c, self.cache_config, self.runner, self.model, self.kv_events)
         self.kv_cache_manager = KVCacheManager(self.cache_config, self.offload, self.kv_events)
+        if self.offload is not None and c.warm_up != "none":
+            self.runner.warm_up_page_copies()
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.input_builder = StepInputsBuilder(self.cache_config, self.scheduler_config, seed=c.seed,
                                                choose_shape=self.runner.choose_shape)

@@ -84,6 +84,10 @@ def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_m
     return max_num_seqs * -(-max_model_len // block_size) + 1
 
 
+# Blocks one page-copy program moves at most (a longer copy runs in chunks): 6 compiled sizes.
+MAX_PAGE_COPY = 256
+
+
 def _page_bucket(num_blocks: int) -> int:
     """Copies of n blocks run at the next power of two >= max(n, 8): a few compiled shapes."""
     return max(8, 1 << (num_blocks - 1).bit_length())
@@ -169,9 +173,9 @@ class ModelRunner:
         k = self.layers_per_program
         # Shapes only: the warm-up thread must not read the live caches the steps donate.
         self._abstract_caches = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv_caches[:k])
-        # Page copies for the offload tiers: one program each per power-of-two block count.
-        self._gather_pages = jax.jit(_gather_pages_fn)
-        self._put_pages = jax.jit(_put_pages_fn, donate_argnums=(0,))
+        # Page copies for the offload tiers: a gather and an in-place scatter program per
+        # power-of-two block count up to MAX_PAGE_COPY (warm_up_page_copies compiles them).
+        self._page_programs: dict[int, tuple] = {}
 
     # the three programs of a step (traced once per shape, at compile time)
     def _model(self, head_params):
@@ -286,31 +290,58 @@ class ModelRunner:
         order gather_pages returns and put_pages takes."""
         return [(tuple(leaf.shape[1:]), str(leaf.dtype)) for cache in self.kv_caches for leaf in cache]
 
+    def _page_programs_for(self, bucket: int) -> tuple:
+        """(gather, put) compiled for `bucket` blocks (put takes the caches donated)."""
+        programs = self._page_programs.get(bucket)
+        if programs is None:
+            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv_caches)
+            ids = jax.ShapeDtypeStruct((bucket,), np.int32)
+            pages = [jax.ShapeDtypeStruct((bucket, *shape), dtype) for shape, dtype in self.page_leaves()]
+            programs = (jax.jit(_gather_pages_fn).lower(abstract, ids).compile(),
+                        jax.jit(_put_pages_fn, donate_argnums=(0,)).lower(abstract, ids, pages).compile())
+            self._page_programs[bucket] = programs
+        return programs
+
+    def warm_up_page_copies(self) -> None:
+        """Compiles the page-copy programs of every bucket (an engine with an offload tier
+        does, so that no step compiles one)."""
+        bucket = 8
+        while bucket <= MAX_PAGE_COPY:
+            self._page_programs_for(bucket)
+            bucket *= 2
+
     def gather_pages(self, block_ids: np.ndarray) -> list[np.ndarray]:
         """Copies the pages of block_ids to the host: one array [n, block_size, ...] per leaf.
 
         One program reads every layer's pages (the ids padded to a power of two with the null
-        block), and one device-to-host transfer brings them back.
+        block, in chunks of at most MAX_PAGE_COPY), and one device-to-host transfer brings
+        each chunk back.
         """
         n = len(block_ids)
-        ids = np.zeros(_page_bucket(n), np.int32)
-        ids[:n] = block_ids
-        pages = jax.device_get(self._gather_pages(self.kv_caches, ids))
-        return [np.asarray(page)[:n] for page in pages]
+        chunks = []
+        for start in range(0, n, MAX_PAGE_COPY):
+            part = block_ids[start : start + MAX_PAGE_COPY]
+            ids = np.zeros(_page_bucket(len(part)), np.int32)
+            ids[: len(part)] = part
+            gather, _ = self._page_programs_for(len(ids))
+            chunks.append([np.asarray(page)[: len(part)] for page in jax.device_get(gather(self.kv_caches, ids))])
+        return chunks[0] if len(chunks) == 1 else [np.concatenate(leaf) for leaf in zip(*chunks)]
 
     def put_pages(self, block_ids: np.ndarray, pages: list[np.ndarray]) -> None:
         """Writes pages (one array [n, block_size, ...] per leaf) into block_ids, in place: the
         caches are donated to the program (padding rows write the null page)."""
-        n = len(block_ids)
-        bucket = _page_bucket(n)
-        ids = np.zeros(bucket, np.int32)
-        ids[:n] = block_ids
-        padded = []
-        for page in pages:
-            full = np.zeros((bucket, *page.shape[1:]), page.dtype)
-            full[:n] = page
-            padded.append(full)
-        self.kv_caches = list(self._put_pages(self.kv_caches, ids, padded))
+        for start in range(0, len(block_ids), MAX_PAGE_COPY):
+            part = block_ids[start : start + MAX_PAGE_COPY]
+            n, bucket = len(part), _page_bucket(len(part))
+            ids = np.zeros(bucket, np.int32)
+            ids[:n] = part
+            padded = []
+            for page in pages:
+                full = np.zeros((bucket, *page.shape[1:]), page.dtype)
+                full[:n] = page[start : start + n]
+                padded.append(full)
+            _, put = self._page_programs_for(bucket)
+            self.kv_caches = list(put(self.kv_caches, ids, padded))
 
     def bucket_shapes(self) -> list[tuple[int, int]]:
         """Every (token bucket, sequence bucket) a step can land in (SchedulerConfig.bucket_shapes),
