@@ -5,7 +5,7 @@
 Model: the random-init HF Llama of the benchmarks (_bench_common.BENCH_MODEL: 8 layers,
 2 KV heads x 64, float32: 8 KiB of KV per token, 128 KiB per block of 16). Engine: block 16,
 max_num_seqs 8, max_num_batched_tokens 1024, max_model_len 4096, a pool of --num-blocks
-(400: 6400 tokens), so the workload runs out of KV memory.
+(256: 4096 tokens), so the workload runs out of KV memory.
 
 One round, for each engine in turn (the engine order rotates per round; the content is
 fresh per round and the same for every engine within it):
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="smaller waves, 2 rounds")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--model", default=None, help="HF Llama directory (default: make the benchmark model)")
-    parser.add_argument("--num-blocks", type=int, default=400)
+    parser.add_argument("--num-blocks", type=int, default=256)
     parser.add_argument("--host-mib", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="default: results/bench_offload[_quick].json")
