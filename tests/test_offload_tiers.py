@@ -1,6 +1,9 @@
 """The offload tiers one at a time: page codec, host tier (LRU at its cap), disk tier (crash
 safety, setup checks), KV event log. Host side only (no jax)."""
 
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -168,4 +171,17 @@ def test_disk_tier_cap_deletes_the_oldest(tmp_path):
     assert len(list(tmp_path.glob("*.kv"))) == 2
     removed = [k for e in events.get_events() if isinstance(e, BlockRemoved) for k in e.block_hashes]
     assert removed == [bytes([1]) * 32]
+    disk.close()
+
+
+def test_disk_tier_writes_its_queue_before_the_process_exits(tmp_path):
+    code = ("import numpy as np, sys\n"
+            "from paged_jax.core.disk_tier import DiskKVTier\n"
+            f"meta = {META!r}\n"
+            "disk = DiskKVTier(sys.argv[1], meta, 1 << 20)\n"
+            "for i in range(8):\n"
+            "    disk.put(bytes([i]) * 32, np.full(1 << 20, i, np.uint8))\n")  # exits without flush()
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True)
+    disk = DiskKVTier(tmp_path, META, 1 << 20)
+    assert len(disk) == 8 and disk.get(bytes([7]) * 32)[0] == 7
     disk.close()

@@ -12,18 +12,21 @@ checks both; a torn or corrupted file is deleted and reported as a miss, never r
 Temporary files left by a crash are removed when the directory is opened.
 
 Writes happen on one background thread (put() only queues the buffer; a queued block is
-already readable); flush() waits for them. With capacity_bytes the oldest files (by write
+already readable); flush() waits for them, and so does the interpreter's exit (atexit: a
+process that ends normally leaves every queued block on disk). With capacity_bytes the oldest files (by write
 time) are deleted past the cap. Imports no jax.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import queue
 import struct
 import threading
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -32,6 +35,15 @@ import numpy as np
 MAGIC = b"PJKVBLK1"
 _HEADER = struct.Struct("<8sQ32s")  # magic, payload length, sha256(payload)
 META_FORMAT = "paged-jax-kv-disk/1"
+
+# Tiers whose writer may hold queued blocks: each is flushed and closed at exit.
+_OPEN_TIERS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_tiers() -> None:
+    for tier in list(_OPEN_TIERS):
+        tier.close()
 
 
 class DiskKVTier:
@@ -64,6 +76,7 @@ class DiskKVTier:
         self.num_written = self.num_read = self.num_corrupt = 0
         self._thread = threading.Thread(target=self._writer, name="paged-jax-disk-tier", daemon=True)
         self._thread.start()
+        _OPEN_TIERS.add(self)
 
     def _check_meta(self, meta: dict) -> None:
         path = self.directory / "meta.json"
