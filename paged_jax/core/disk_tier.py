@@ -13,8 +13,8 @@ Temporary files left by a crash are removed when the directory is opened.
 
 Writes happen on one background thread (put() only queues the buffer; a queued block is
 already readable); flush() waits for them, and so does the interpreter's exit (atexit: a
-process that ends normally leaves every queued block on disk). With capacity_bytes the oldest files (by write
-time) are deleted past the cap. Imports no jax.
+process that ends normally leaves every queued block on disk). With capacity_bytes the
+oldest files (by write time) are deleted past the cap. Imports no jax.
 """
 
 from __future__ import annotations
