@@ -31,6 +31,7 @@ token bucket), which `num_compilations` counts so a test can prove it.
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 import weakref
 
@@ -97,7 +98,10 @@ def _gather_pages_fn(kv_caches, block_ids):
     return [leaf[block_ids] for cache in kv_caches for leaf in cache]
 
 
-def _put_pages_fn(kv_caches, block_ids, pages):
+def _put_pages_fn(kv_caches, block_ids, pages, device_shardings=None):
+    """device_shardings: the caches' leaves' shardings, when the pages arrive in host memory."""
+    if device_shardings is not None:
+        pages = [jax.device_put(page, sharding) for page, sharding in zip(pages, device_shardings)]
     pages = iter(pages)
     return [tuple(leaf.at[block_ids].set(next(pages)) for leaf in cache) for cache in kv_caches]
 
@@ -176,6 +180,7 @@ class ModelRunner:
         # Page copies for the offload tiers: a gather and an in-place scatter program per
         # power-of-two block count up to MAX_PAGE_COPY (warm_up_page_copies compiles them).
         self._page_programs: dict[int, tuple] = {}
+        self.page_copy_memory_kind: str | None = None  # "pinned_host" or "numpy", set at the first copy
 
     # the three programs of a step (traced once per shape, at compile time)
     def _model(self, head_params):
@@ -291,16 +296,47 @@ class ModelRunner:
         return [(tuple(leaf.shape[1:]), str(leaf.dtype)) for cache in self.kv_caches for leaf in cache]
 
     def _page_programs_for(self, bucket: int) -> tuple:
-        """(gather, put) compiled for `bucket` blocks (put takes the caches donated)."""
+        """(gather, put) compiled for `bucket` blocks (put takes the caches donated).
+
+        Where the backend has a pinned host memory kind, gather's outputs and put's page
+        inputs live there (the copies are DMA transfers to and from pinned buffers); if that
+        fails to compile, both use plain host arrays (page_copy_memory_kind says which)."""
         programs = self._page_programs.get(bucket)
         if programs is None:
-            abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv_caches)
-            ids = jax.ShapeDtypeStruct((bucket,), np.int32)
-            pages = [jax.ShapeDtypeStruct((bucket, *shape), dtype) for shape, dtype in self.page_leaves()]
-            programs = (jax.jit(_gather_pages_fn).lower(abstract, ids).compile(),
-                        jax.jit(_put_pages_fn, donate_argnums=(0,)).lower(abstract, ids, pages).compile())
+            if self.page_copy_memory_kind is None:
+                self.page_copy_memory_kind = "pinned_host" if self._pinned_page_shardings() else "numpy"
+                try:
+                    programs = self._compile_page_programs(bucket, self._pinned_page_shardings())
+                except Exception:  # noqa: BLE001 -- a backend without host offloading: plain copies
+                    self.page_copy_memory_kind = "numpy"
+            if programs is None:
+                pinned = self._pinned_page_shardings() if self.page_copy_memory_kind == "pinned_host" else None
+                programs = self._compile_page_programs(bucket, pinned)
             self._page_programs[bucket] = programs
         return programs
+
+    def _pinned_page_shardings(self) -> list | None:
+        """Every cache leaf's sharding in pinned host memory, or None where there is none."""
+        leaves = [leaf for cache in self.kv_caches for leaf in cache]
+        device = next(iter(leaves[0].devices()))
+        if "pinned_host" not in {memory.kind for memory in device.addressable_memories()}:
+            return None
+        return [leaf.sharding.with_memory_kind("pinned_host") for leaf in leaves]
+
+    def _compile_page_programs(self, bucket: int, pinned: list | None) -> tuple:
+        leaves = [leaf for cache in self.kv_caches for leaf in cache]
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_caches)
+        ids = jax.ShapeDtypeStruct((bucket,), np.int32)
+        pages = [jax.ShapeDtypeStruct((bucket, *leaf.shape[1:]), leaf.dtype,
+                                      sharding=None if pinned is None else pinned[i]) for i, leaf in enumerate(leaves)]
+        if pinned is None:
+            return (jax.jit(_gather_pages_fn).lower(abstract, ids).compile(),
+                    jax.jit(_put_pages_fn, donate_argnums=(0,)).lower(abstract, ids, pages).compile())
+        device = [leaf.sharding for leaf in leaves]
+        gather = jax.jit(_gather_pages_fn, out_shardings=pinned).lower(abstract, ids).compile()
+        put = jax.jit(functools.partial(_put_pages_fn, device_shardings=device), donate_argnums=(0,),
+                      out_shardings=jax.tree.map(lambda a: a.sharding, self.kv_caches)).lower(abstract, ids, pages)
+        return gather, put.compile()
 
     def warm_up_page_copies(self) -> None:
         """Compiles the page-copy programs of every bucket (an engine with an offload tier
@@ -341,6 +377,8 @@ class ModelRunner:
                 full[:n] = page[start : start + n]
                 padded.append(full)
             _, put = self._page_programs_for(bucket)
+            if self.page_copy_memory_kind == "pinned_host":
+                padded = jax.device_put(padded, self._pinned_page_shardings())
             self.kv_caches = list(put(self.kv_caches, ids, padded))
 
     def bucket_shapes(self) -> list[tuple[int, int]]:

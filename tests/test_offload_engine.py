@@ -170,7 +170,12 @@ def test_kv_events_track_what_each_tier_holds():
     assert_tiers_idle(engine)
 
 
-def test_page_copies_round_trip_and_update_in_place(monkeypatch):
+@pytest.mark.parametrize("memory", ["pinned_host", "numpy"])
+def test_page_copies_round_trip_and_update_in_place(monkeypatch, memory):
+    """Both transfer paths: through jax's pinned host memory kind (the CPU backend has one,
+    as GPUs do) and through plain numpy arrays (backends without it)."""
+    if memory == "numpy":
+        monkeypatch.setattr("paged_jax.runner.ModelRunner._pinned_page_shardings", lambda self: None)
     engine = offload_engine(offload_host_bytes=4 * BLOCK_BYTES, num_blocks=24)
     runner = engine.runner
     rng = np.random.default_rng(0)
@@ -182,6 +187,7 @@ def test_page_copies_round_trip_and_update_in_place(monkeypatch):
     got = runner.gather_pages(ids[order])
     for page, back in zip(pages, got):
         np.testing.assert_array_equal(back, page[order])
+    assert runner.page_copy_memory_kind == memory
     put = runner._page_programs_for(8)[1].memory_analysis()
     assert put.alias_size_in_bytes == runner.kv_cache_bytes, "the page scatter did not update the caches in place"
     assert put.temp_size_in_bytes < runner.kv_cache_bytes / 4
