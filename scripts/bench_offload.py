@@ -11,8 +11,9 @@ One round, for each engine in turn (the engine order rotates per round; the cont
 fresh per round and the same for every engine within it):
   1. a 2000-token conversation, alone, max_tokens 8 (its first visit);
   2. the flood: wave 1 = 16 requests, one of two shared 400-token system prompts + a
-     long-tailed user part (lognormal, median 150, <= 1500 tokens), long-tailed max_tokens
-     (lognormal, median 24, <= 200); wave 2 = 6 revisits of wave-1 conversations (their
+     long-tailed user part (lognormal, median 200, <= 1500 tokens), long-tailed max_tokens
+     (lognormal, median 64, <= 400: decodes grow past the pool, so running requests are
+     preempted); wave 2 = 6 revisits of wave-1 conversations (their
      prompt + 30 new tokens) + 2 new requests. All of a wave is queued at once;
   3. the revisit: the conversation of step 1 + 16 new tokens, alone, max_tokens 1: its TTFT.
 Reported per engine (medians over rounds): wall time of steps 1-2 (the workload), tokens
@@ -79,8 +80,8 @@ def make_round(rng, quick):
     """(conversation, flood waves, revisit suffix) of one round: lists of (prompt, max_tokens)."""
     systems = [tokens(rng, SYSTEM_LEN) for _ in range(2)]
     num = 8 if quick else 16
-    user = np.minimum(rng.lognormal(np.log(150), 1.0, num), 1500).astype(int) + 1
-    out = np.minimum(rng.lognormal(np.log(24), 0.8, num), 200).astype(int) + 1
+    user = np.minimum(rng.lognormal(np.log(200), 1.0, num), 1500).astype(int) + 1
+    out = np.minimum(rng.lognormal(np.log(64), 0.8, num), 400).astype(int) + 1
     wave1 = [(systems[i % 2] + tokens(rng, user[i]), int(out[i])) for i in range(num)]
     revisits = rng.choice(num, 3 if quick else 6, replace=False)
     wave2 = [(wave1[i][0] + tokens(rng, 30), 16) for i in revisits]
