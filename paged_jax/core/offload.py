@@ -178,7 +178,7 @@ class OffloadManager:
           The number of hit tokens counted from token 0 (num_device_blocks * block_size
           when nothing more is found).
         """
-        self.on_allocation_failed(request.request_id)  # a stale lookup of the same request
+        self._unpin_found(request.request_id)  # an earlier lookup that never reached allocate_slots
         bs = self.block_size
         record = self.swapped.get(request.request_id)
         hashes = request.block_hashes
@@ -235,6 +235,10 @@ class OffloadManager:
             self._release_record(record, loaded=set(keys))
 
     def on_allocation_failed(self, request_id: str) -> None:
+        """allocate_slots returned None: the keys find() pinned are released."""
+        self._unpin_found(request_id)
+
+    def _unpin_found(self, request_id: str) -> None:
         for key in self._found.pop(request_id, ()):
             self.host.unpin(key)
 
@@ -278,7 +282,7 @@ class OffloadManager:
 
     def release(self, request_id: str) -> None:
         """Drops whatever the request still holds here (it finished or was aborted)."""
-        self.on_allocation_failed(request_id)
+        self._unpin_found(request_id)
         record = self.swapped.pop(request_id, None)
         if record is not None:
             self._release_record(record)
