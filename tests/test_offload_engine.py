@@ -51,9 +51,15 @@ def generate(engine, prompts, max_tokens, prefix="r"):
 
 
 def assert_tiers_idle(engine):
+    """No request's state is left anywhere; a prefix-cache reset then returns the device pool
+    and the host tier to their initial state (every block free and unhashed, nothing held)."""
     assert_no_leak(engine)
     engine.offload.check_invariants(idle=True)
     assert engine.offload.host.num_bytes <= engine.config.offload_host_bytes
+    assert engine.kv_cache_manager.reset_prefix_cache()
+    pool = engine.kv_cache_manager.block_pool
+    assert len(pool.cached_block_hash_to_block) == 0 and not any(b.block_hash for b in pool.blocks)
+    assert len(engine.offload.host) == 0 and engine.offload.host.num_bytes == 0
 
 
 @pytest.mark.parametrize("mode,host_blocks", [("recompute", 64), ("swap", 64), ("swap", 3)])
@@ -165,9 +171,8 @@ def test_kv_events_track_what_each_tier_holds():
     host = {k for k in engine.offload.host.keys() if isinstance(k, bytes)}
     assert index["device"] == device and index["host"] == host
     assert any(isinstance(e, BlockRemoved) and e.tier == "host" for e in queued), "the host tier never evicted"
-    assert engine.kv_cache_manager.reset_prefix_cache()
-    assert engine.kv_events.get_events() == [AllBlocksCleared("device")]
     assert_tiers_idle(engine)
+    assert engine.kv_events.get_events() == [AllBlocksCleared("device"), AllBlocksCleared("host")]
 
 
 @pytest.mark.parametrize("memory", ["pinned_host", "numpy"])

@@ -96,9 +96,11 @@ def test_freeing_a_swapped_request_drops_its_private_pages_and_pins():
     r.num_computed_tokens = 10
     assert kv.swap_out(r)
     apply(offload)
+    assert not kv.reset_prefix_cache(), "a swapped request still holds host entries"
     kv.free(r)  # aborted while waiting
     assert offload.host.keys() == r.block_hashes[:2], "only the prefix-cache pages stay (evictable)"
     offload.check_invariants(idle=True)
+    assert kv.reset_prefix_cache() and len(offload.host) == 0
 
 
 def test_eviction_copies_down_only_hashes_that_leave_the_device():

@@ -131,6 +131,13 @@ class HostKVTier:
         if buffer is not None and self.kv_events is not None and isinstance(key, bytes):
             self.kv_events.removed([key], "host")
 
+    def clear(self) -> None:
+        """Forgets every entry (none may be pinned)."""
+        assert not self._pins, f"clearing a host tier with {len(self._pins)} pinned entries"
+        self._entries.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared("host")
+
     def check_invariants(self) -> None:
         assert len(self._entries) <= self.max_entries, (
             f"host tier holds {len(self._entries)} entries, past its cap of {self.max_entries}")

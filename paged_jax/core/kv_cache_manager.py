@@ -322,11 +322,16 @@ class KVCacheManager:
         return self.offload.take_step_copies() if self.offload is not None else None
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached hashes; False while any request holds blocks."""
+        """Forget all cached hashes (and empty the host tier); False while any request holds
+        blocks or host-tier entries."""
+        if self.offload is not None and not self.offload.is_idle():
+            return False
         if not self.block_pool.reset_prefix_cache():
             return False
         if self.kv_events is not None:
             self.kv_events.cleared("device")
+        if self.offload is not None:
+            self.offload.reset()
         self.prefix_cache_stats.num_resets += 1
         return True
 

@@ -320,6 +320,18 @@ class OffloadManager:
             self.disk.put(key, buffer.copy())
         self.stats.bytes_to_disk += buffers.nbytes
 
+    def is_idle(self) -> bool:
+        """Nothing pinned, planned or swapped out: reset() may empty the host tier."""
+        return not (self.host.num_pinned or self.swapped or self._found or self._stores or self._loads
+                    or self._persists)
+
+    def reset(self) -> None:
+        """Empties the host tier (with the device's prefix cache, e.g. after a weight update,
+        whose KV would be stale). The disk tier keeps its files: it belongs to the weights it
+        was opened for (their fingerprint is in its meta.json)."""
+        assert self.is_idle(), "resetting the host tier while requests hold entries in it"
+        self.host.clear()
+
     # ------------------------------------------------------------------ checks
     def check_invariants(self, idle: bool = False) -> None:
         """The host tier's invariants; idle (no live requests, no step pending): nothing is
