@@ -12,6 +12,11 @@ Layouts (the one place they are written down):
   layer, never stacked [num_layers, ...]: the runner's layer program takes its layers' pairs
   as donated arguments and updates them in place (a stacked cache read inside a lax.scan can
   be copied whole, openxla/xla#45912).
+- MLAAttentionSpec (DeepSeek-V2 multi-head latent attention): per layer a
+  (c_kv_cache, k_rope_cache) pair, [num_blocks, block_size, kv_lora_rank] and
+  [num_blocks, block_size, qk_rope_head_dim]: one latent and one rope key per token, shared
+  by every head. Two arrays rather than one [.., kv_lora_rank + qk_rope_head_dim] row, so
+  each is a power of two wide (512 and 64 at DeepSeek-V2 shapes) for the Triton kernel.
 """
 
 from __future__ import annotations
@@ -53,7 +58,37 @@ class FullAttentionSpec:
         return jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)
 
 
-KVCacheSpec = FullAttentionSpec  # the union grows with the cache formats (MLA, quantized pages)
+@dataclasses.dataclass(frozen=True)
+class MLAAttentionSpec:
+    """One latent c_kv and one rope key per token (DeepSeek-V2 MLA), as vLLM's MLAAttentionSpec.
+
+    Attributes:
+      kv_lora_rank: latent width (512 in DeepSeek-V2).
+      qk_rope_head_dim: rope key width (64).
+      dtype: the cache dtype name.
+    """
+
+    kv_lora_rank: int
+    qk_rope_head_dim: int
+    dtype: str
+
+    @property
+    def page_arrays(self) -> dict[str, tuple[int, ...]]:
+        """Name -> per-token shape of each array a layer keeps."""
+        return {"c_kv": (self.kv_lora_rank,), "k_rope": (self.qk_rope_head_dim,)}
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs in one layer."""
+        itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
+        return sum(int(np.prod(shape)) * itemsize for shape in self.page_arrays.values())
+
+    def allocate(self, num_blocks: int, block_size: int):
+        """A zeroed (c_kv_cache, k_rope_cache) pair, [num_blocks, block_size, kv_lora_rank / qk_rope_head_dim]."""
+        return tuple(jnp.zeros((num_blocks, block_size, *shape), self.dtype) for shape in self.page_arrays.values())
+
+
+KVCacheSpec = FullAttentionSpec | MLAAttentionSpec  # grows with the cache formats (quantized pages)
 
 
 def kv_cache_bytes_per_token(specs) -> int:

@@ -27,6 +27,9 @@ from collections.abc import Callable, Mapping
 from flax import nnx
 
 from models.config import PRESETS as LLAMA_PRESETS
+from models.deepseek_v2 import PRESETS as DEEPSEEK_V2_PRESETS
+from models.deepseek_v2 import DeepseekV2ForCausalLM
+from models.deepseek_v2_loader import load_hf_checkpoint as load_deepseek_v2_checkpoint
 from models.llama import LlamaForCausalLM
 from models.gguf import gguf_tokenizer, load_gguf_checkpoint
 from models.loader import load_hf_checkpoint
@@ -56,6 +59,8 @@ class ModelFamily:
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("llama", ("LlamaForCausalLM",), LlamaForCausalLM, LLAMA_PRESETS,
                 lambda path, dtype: load_hf_checkpoint(path, dtype=dtype)),
+    ModelFamily("deepseek_v2", ("DeepseekV2ForCausalLM",), DeepseekV2ForCausalLM, DEEPSEEK_V2_PRESETS,
+                lambda path, dtype: load_deepseek_v2_checkpoint(path, dtype=dtype)),
 )
 
 

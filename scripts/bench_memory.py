@@ -19,6 +19,12 @@ max_model_len: each request holds one max_model_len slab, which is exactly "rese
 max_model_len per request", under the same token budget and the same FCFS policy.
 Targets (issue 6): >= 96% live; >= 3x the contiguous allocator's concurrency. Anchor: the
 PagedAttention paper measured 20.4-38.2% of KV memory holding live tokens in prior systems.
+
+MLA vs GQA-8 (issue 16): at one model width (hidden 4096, 32 layers, bf16) the bytes one
+token costs per layer, from each model's own kv_cache_specs(): Llama-3.1-8B's GQA-8 (K and V
+of 8 heads x 128) vs a DeepSeek-V2-style MLA (latent 512 + rope key 64); then, in a fixed
+KV budget (--mla-budget-gib), how many full-length sequences fit and how many of the same
+workload's requests the paged scheduler runs at once. Target: the seed's 3-4x smaller cache.
 """
 
 from __future__ import annotations
@@ -105,6 +111,65 @@ def simulate(prompts: list[list[int]], outputs: np.ndarray, *, block_size: int, 
     }
 
 
+def mla_vs_gqa8(prompts, outputs, args) -> tuple[dict, list[list]]:
+    """Bytes per token per layer and sequences in a fixed budget: MLA vs GQA-8 at hidden 4096."""
+    from flax import nnx
+
+    from models.config import PRESETS as LLAMA_PRESETS
+    from models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
+    from models.kv_cache_spec import kv_cache_bytes_per_token
+    from models.llama import LlamaForCausalLM
+
+    llama = LLAMA_PRESETS["llama-3.1-8b"]  # GQA-8, head_dim 128, bf16
+    # DeepSeek-V2's attention (q_lora 1536, latent 512, rope 64, nope 128, v 128) at Llama's width and depth.
+    mla = DeepseekV2Config(vocab_size=llama.vocab_size, hidden_size=llama.hidden_size,
+                           intermediate_size=llama.intermediate_size, num_layers=llama.num_layers,
+                           num_heads=llama.num_heads, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                           v_head_dim=128, q_lora_rank=1536, first_k_dense_replace=llama.num_layers,
+                           param_dtype="bfloat16", dtype="bfloat16")
+    models = {"GQA-8": nnx.eval_shape(lambda: LlamaForCausalLM(llama, rngs=nnx.Rngs(0))),
+              "MLA": nnx.eval_shape(lambda: DeepseekV2ForCausalLM(mla, rngs=nnx.Rngs(0)))}
+    budget = int(args.mla_budget_gib * 2**30)
+    result = {"budget_bytes": budget, "hidden_size": llama.hidden_size, "num_layers": llama.num_layers}
+    for name, model in models.items():
+        specs = model.kv_cache_specs()
+        per_token = kv_cache_bytes_per_token(specs)
+        budget_tokens = budget // per_token
+        sim = simulate(prompts, outputs, block_size=args.block_size, budget_tokens=budget_tokens,
+                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens)
+        result[name] = {"spec": repr(specs[0]), "bytes_per_token_per_layer": specs[0].bytes_per_token,
+                        "bytes_per_token": per_token, "budget_tokens": budget_tokens,
+                        "full_length_seqs": budget_tokens // args.max_model_len,
+                        "max_concurrent": sim["max_concurrent"],
+                        "mean_concurrent_kv_bound": sim["mean_concurrent_kv_bound"],
+                        "steps": sim["steps"]}
+    gqa, lat = result["GQA-8"], result["MLA"]
+    ratio = gqa["bytes_per_token_per_layer"] / lat["bytes_per_token_per_layer"]
+    result["ratio"] = ratio
+    result["target"] = [3.0, 4.0]
+    result["met"] = 3.0 <= ratio <= 4.0
+    def mean(r):
+        return "-" if r["mean_concurrent_kv_bound"] is None else f"{r['mean_concurrent_kv_bound']:.1f}"
+
+    rows = [
+        ["bytes / token / layer", gqa["bytes_per_token_per_layer"], lat["bytes_per_token_per_layer"],
+         f"{ratio:.2f}x ({'met' if result['met'] else 'MISSED'}: seed 3-4x)"],
+        [f"KiB / token ({llama.num_layers} layers)", gqa["bytes_per_token"] / 1024, lat["bytes_per_token"] / 1024, ""],
+        [f"tokens in {args.mla_budget_gib:g} GiB", gqa["budget_tokens"], lat["budget_tokens"],
+         f"{lat['budget_tokens'] / gqa['budget_tokens']:.2f}x"],
+        [f"{args.max_model_len}-token sequences that fit", gqa["full_length_seqs"], lat["full_length_seqs"],
+         f"{lat['full_length_seqs'] / max(gqa['full_length_seqs'], 1):.2f}x"],
+        ["max requests at once (workload above)", gqa["max_concurrent"], lat["max_concurrent"],
+         f"{lat['max_concurrent'] / gqa['max_concurrent']:.2f}x"],
+        ["mean requests at once, while queued", mean(gqa), mean(lat),
+         f"{lat['mean_concurrent_kv_bound'] / gqa['mean_concurrent_kv_bound']:.2f}x"
+         if lat["mean_concurrent_kv_bound"] and gqa["mean_concurrent_kv_bound"] else ""],
+        ["steps to drain the workload", gqa["steps"], lat["steps"], ""],
+    ]
+    return result, rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="300 requests instead of 2000")
@@ -116,6 +181,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=1024, help="high, so the KV budget is the limit")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mla-budget-gib", type=float, default=8.0, help="KV budget of the MLA vs GQA-8 rows")
     parser.add_argument("--out", default=None, help="default: results/bench_memory[_quick].json")
     args = parser.parse_args(argv)
     args.out = args.out or f"results/bench_memory{'_quick' if args.quick else ''}.json"
@@ -165,6 +231,10 @@ def main(argv=None) -> int:
                 f"budget {args.kv_budget_tokens} tokens, max_model_len {args.max_model_len}",
                 ["metric", f"paged (block {args.block_size})", f"contiguous ({args.max_model_len}/req)", "target"],
                 rows)
+    result["mla_vs_gqa8"], rows = mla_vs_gqa8(prompts, output_lens, args)
+    print_table(f"KV per token: MLA (latent 512 + rope 64) vs GQA-8 (8 x 128 K and V), hidden "
+                f"{result['mla_vs_gqa8']['hidden_size']}, bf16, paged block {args.block_size}",
+                ["metric", "GQA-8 (Llama-3.1-8B)", "MLA (DeepSeek-V2 attention)", "MLA / GQA-8"], rows)
     write_json(args.out, result)
     return 0
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared GPU run for the paged-attention kernels (issue 7): at most 150 s of tests,
 # 200 s of kernel benchmark and 120 s end to end, so under 8 minutes on an H200.
-#   1. the kernel tests with interpret off (tests pick interpret mode only on a CPU backend),
+#   1. the kernel tests with interpret off (tests pick interpret mode only on a CPU backend;
+#      the MLA latent-pool kernel of issue 16 included),
 #      f32 and bf16, ragged mixed batches, NaN-poisoned foreign pages, CUDA lowering;
 #   2. scripts/gpu_bench_attention.py: copy bandwidth, decode 64x4096 (+ ragged), prefill
 #      TFLOP/s, against jax's own paged_attention and contiguous attention; prints a table
@@ -27,7 +28,7 @@ PY="${PYTHON:-}"
 if [[ -z "$PY" ]]; then
   if python3 -c "import jax" 2>/dev/null; then PY=python3; else PY=/work/venv/bin/python; fi
 fi
-TESTS=(tests/test_paged_attention.py tests/test_kv_cache_write.py tests/test_cuda_lowering.py)
+TESTS=(tests/test_paged_attention.py tests/test_kv_cache_write.py tests/test_cuda_lowering.py tests/test_mla_attention.py)
 
 if [[ $DRY_RUN == 1 ]]; then
   echo "== dry run: CPU, interpret mode, tiny shapes =="

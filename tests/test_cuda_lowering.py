@@ -45,3 +45,24 @@ def test_write_kv_cache_lowers_for_cuda():
     rows = jax.ShapeDtypeStruct((NUM_TOKENS, 8, HEAD_DIM), jnp.bfloat16)
     text = lower_for_cuda(write_kv_cache, rows, rows, cache, cache, jax.ShapeDtypeStruct((NUM_TOKENS,), jnp.int32))
     assert "scatter" in text
+
+
+@pytest.mark.parametrize("config", [None, "split1"], ids=["default", "no_split"])
+def test_mla_attention_lowers_for_cuda_at_deepseek_v2_lite_shapes(config):
+    """DeepSeek-V2-Lite: 16 heads, kv_lora_rank 512, rope 64, nope 128, v 128, bf16."""
+    from pallas_kernels.mla_attention import MlaPallasConfig, mla_paged_attention
+
+    heads, latent, rope, nope, v = 16, 512, 64, 128, 128
+    bf16 = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((NUM_TOKENS, heads, nope), bf16),
+            jax.ShapeDtypeStruct((NUM_TOKENS, heads, rope), bf16),
+            jax.ShapeDtypeStruct((NUM_BLOCKS, BLOCK_SIZE, latent), bf16),
+            jax.ShapeDtypeStruct((NUM_BLOCKS, BLOCK_SIZE, rope), bf16),
+            jax.ShapeDtypeStruct((latent, heads, nope), bf16), jax.ShapeDtypeStruct((latent, heads, v), bf16),
+            jax.ShapeDtypeStruct((MAX_NUM_SEQS, MAX_BLOCKS_PER_SEQ), jnp.int32),
+            jax.ShapeDtypeStruct((MAX_NUM_SEQS,), jnp.int32), jax.ShapeDtypeStruct((MAX_NUM_SEQS + 1,), jnp.int32),
+            jax.ShapeDtypeStruct((), jnp.int32))
+    config = MlaPallasConfig(decode_num_splits=1) if config else None
+    fn = functools.partial(mla_paged_attention, sm_scale=192 ** -0.5, config=config)
+    text = lower_for_cuda(fn, *args)
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, "expected the decode and the prefill kernel"

@@ -15,7 +15,7 @@ import dataclasses
 
 import jax
 
-from models.kv_cache_spec import FullAttentionSpec
+from models.kv_cache_spec import FullAttentionSpec, MLAAttentionSpec
 from paged_jax.attention.xla import ragged_paged_attention_xla
 from pallas_kernels.kv_cache_write import write_kv_cache
 from pallas_kernels.paged_attention import PallasConfig, ragged_paged_attention
@@ -97,8 +97,19 @@ def make_attention_backend(spec, impl: str | None = None, *, interpret: bool = F
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention_impl={impl!r} must be one of {ATTENTION_IMPLS} (or None: pallas on GPU, "
                          "xla elsewhere)")
+    if isinstance(spec, MLAAttentionSpec):
+        from paged_jax.attention.mla import MlaPallasAttention, MlaXlaAttention
+
+        if impl == "xla":
+            if interpret or pallas_config is not None:
+                raise ValueError("interpret and pallas_config apply to attention_impl='pallas' only")
+            return MlaXlaAttention(spec)
+        if pallas_config is not None:
+            raise ValueError("pallas_config is a GQA PallasConfig; the MLA kernel takes its own MlaPallasConfig")
+        return MlaPallasAttention(spec, interpret)
     if not isinstance(spec, FullAttentionSpec):
-        raise ValueError(f"no attention backend for a {type(spec).__name__}; this build knows FullAttentionSpec")
+        raise ValueError(f"no attention backend for a {type(spec).__name__}; this build knows FullAttentionSpec "
+                         "and MLAAttentionSpec")
     if impl == "xla":
         if interpret or pallas_config is not None:
             raise ValueError("interpret and pallas_config apply to attention_impl='pallas' only")
