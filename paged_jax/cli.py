@@ -58,6 +58,15 @@ def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64,
                         "count compiles the whole stack as one program, for the fastest steps")
     m.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file for chat requests (default: the model's own)")
+    o = p.add_argument_group("offload tiers (host memory, disk)")
+    o.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
+                   help="swap: a preempted request's pages go to the host tier (needs --offload-host-mib)")
+    o.add_argument("--offload-host-mib", type=int, default=0, help="host tier size in MiB (0: off)")
+    o.add_argument("--offload-dtype", choices=("int8", "float8_e4m3fn"), default=None,
+                   help="store host/disk pages quantized (default: as the cache)")
+    o.add_argument("--offload-disk-dir", default=None,
+                   help="persistent tier under the host tier (a restart finds its blocks; needs --hash-seed)")
+    o.add_argument("--hash-seed", default=None, help="fixed root of the prefix-cache hash chains")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -161,7 +170,16 @@ def _engine_args(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                 attention_impl=args.attention_impl, warm_up=args.warm_up,
                 compile_cache_dir=None if args.no_compile_cache else args.compile_cache_dir,
-                layers_per_program=args.layers_per_program)
+                layers_per_program=args.layers_per_program, **_offload_args(args))
+
+
+def _offload_args(args) -> dict:
+    """EngineConfig fields of the offload flags (hash_seed only when given)."""
+    out = dict(preemption_mode=args.preemption_mode, offload_host_bytes=args.offload_host_mib << 20,
+               offload_dtype=args.offload_dtype, offload_disk_dir=args.offload_disk_dir)
+    if args.hash_seed is not None:
+        out["hash_seed"] = args.hash_seed
+    return out
 
 
 def _compile_progress(args, progress: Progress):

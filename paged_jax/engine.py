@@ -32,9 +32,12 @@ from paged_jax.core.config import CacheConfig, SchedulerConfig, check_int, check
 from paged_jax.core.hashing import get_hash_fn_by_name
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.kv_quant import check_kv_cache_scaling, check_scale, get_kv_quant_format
+from paged_jax.core.kv_events import KVEventLog
+from paged_jax.core.offload import PREEMPTION_MODES, OffloadConfig
 from paged_jax.core.request import Request, SamplingParams
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.tokenizer import Tokenizer
+from paged_jax.offload_tiers import build_offload_manager
 from paged_jax.runner import ModelRunner, num_blocks_for_budget
 
 # A default table width that stays cheap for long-context checkpoints (Llama 3 says 131072).
@@ -79,6 +82,13 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_cache_scaling: str = "per_token"
     kv_scales: tuple | None = None
+    # Offload tiers (paged_jax/core/offload.py). "swap" preemption needs the host tier.
+    preemption_mode: str = "recompute"  # or "swap"
+    offload_host_bytes: int = 0  # byte cap of the host tier; 0: no offload
+    offload_dtype: str | None = None  # host/disk storage: None (as the cache), "int8", "float8_e4m3fn"
+    offload_disk_dir: str | None = None  # persistent tier under the host tier (needs hash_seed)
+    offload_disk_bytes: int | None = None  # cap of the disk tier; None: unbounded
+    enable_kv_events: bool = False  # LLMEngine.kv_events: BlockStored / BlockRemoved per tier
 
     def __post_init__(self):
         # The same checks CacheConfig / SchedulerConfig make, here so a bad argument fails
@@ -104,6 +114,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.attention_impl not in (None, *ATTENTION_IMPLS):
             raise ValueError(f"attention_impl={self.attention_impl!r} must be None, 'xla' or 'pallas'")
+        self._check_offload()
         if self.dtype is not None:
             try:
                 # jnp.dtype knows the ml_dtypes names numpy alone rejects ("bfloat16").
@@ -123,6 +134,25 @@ class EngineConfig:
             for i, scale in enumerate(np.ravel(np.asarray(self.kv_scales, dtype=object))):
                 check_scale(f"kv_scales (entry {i})", scale)
 
+    def _check_offload(self) -> None:
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} must be one of {PREEMPTION_MODES}")
+        check_int("offload_host_bytes", self.offload_host_bytes, 0, "0 turns the host tier off")
+        if self.offload_host_bytes:
+            OffloadConfig(self.offload_host_bytes, self.offload_dtype, self.offload_disk_dir,
+                          self.offload_disk_bytes)  # ValueError naming the field
+        elif self.preemption_mode == "swap" or self.offload_disk_dir is not None or self.offload_dtype is not None:
+            raise ValueError("preemption_mode='swap', offload_dtype and offload_disk_dir need a host tier: set "
+                             "offload_host_bytes to its byte budget")
+        if self.offload_disk_dir is not None:
+            if self.hash_seed is None:
+                raise ValueError("offload_disk_dir needs a fixed hash_seed (an int or str): with a random chain "
+                                 "root a restarted process could never find its blocks on disk")
+            if not self.enable_prefix_caching:
+                raise ValueError("offload_disk_dir keeps prefix-cache blocks; it needs enable_prefix_caching=True")
+        if not isinstance(self.enable_kv_events, bool):
+            raise ValueError(f"enable_kv_events={self.enable_kv_events!r} must be True or False")
+
     def resolve(self, model) -> tuple[CacheConfig, SchedulerConfig]:
         """The sizes this config means for a loaded model on this device."""
         mc = model.config
@@ -137,7 +167,7 @@ class EngineConfig:
         cache = CacheConfig(self.block_size, num_blocks, max_model_len, self.enable_prefix_caching,
                             self.hash_algo, self.hash_seed)
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
-                                    self.long_prefill_token_threshold)
+                                    self.long_prefill_token_threshold, preemption_mode=self.preemption_mode)
         return cache, scheduler
 
 
@@ -226,12 +256,16 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(c.model)
         mc = self.model.config
         self.cache_config, self.scheduler_config = c.resolve(self.model)
-        self.kv_cache_manager = KVCacheManager(self.cache_config)
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.runner = ModelRunner(self.model, self.cache_config, self.scheduler_config,
                                   attention_impl=c.attention_impl, interpret=c.interpret, kv_cache_dtype=c.dtype,
                                   layers_per_program=c.layers_per_program, kv_cache_quant=c.kv_cache_dtype,
                                   kv_cache_scaling=c.kv_cache_scaling, kv_scales=c.kv_scales)
+        self.kv_events = KVEventLog() if c.enable_kv_events else None
+        self.offload = build_offload_manager(c, self.cache_config, self.runner, self.model, self.kv_events)
+        self.kv_cache_manager = KVCacheManager(self.cache_config, self.offload, self.kv_events)
+        if self.offload is not None and c.warm_up != "none":
+            self.runner.warm_up_page_copies()
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.input_builder = StepInputsBuilder(self.cache_config, self.scheduler_config, seed=c.seed,
                                                choose_shape=self.runner.choose_shape)
         # Generation stops on any of the model's EOS ids (Llama 3 instruct lists several).
@@ -316,7 +350,8 @@ class LLMEngine:
         """Schedules, runs one jitted step and applies its tokens; returns the outputs of
         the requests that got a token (finished ones have finished=True)."""
         scheduler_output = self.scheduler.schedule()
-        token_ids, logprobs = self.runner.execute(self.input_builder.build(scheduler_output))
+        token_ids, logprobs = self.runner.execute(self.input_builder.build(scheduler_output),
+                                                  self.kv_cache_manager.take_step_copies())
         return self._make_outputs(self.scheduler.update_from_output(scheduler_output, token_ids, logprobs))
 
     def _make_outputs(self, core_outputs) -> list[RequestOutput]:
@@ -359,6 +394,28 @@ class LLMEngine:
             "kv_cache_dtype": self.config.kv_cache_dtype,
             "attention_impl": self.runner.attention_impl,
             "backend": jax.default_backend(),
+            **self._offload_stats(),
+        }
+
+    def _offload_stats(self) -> dict:
+        """Prefix hits per tier (tokens), swaps and bytes moved; only with an offload tier."""
+        if self.offload is None:
+            return {}
+        stats = self.offload.stats
+        return {
+            "device_cache_hits": self.kv_cache_manager.prefix_cache_stats.hits,
+            "host_cache_hits": stats.host_hit_tokens,
+            "disk_cache_hits": stats.disk_hit_tokens,
+            "num_swap_outs": stats.num_swap_outs,
+            "num_swap_ins": stats.num_swap_ins,
+            "num_swap_fallbacks": stats.num_swap_fallbacks,
+            "num_host_stores_dropped": stats.num_host_stores_dropped,
+            "num_host_evictions": self.offload.host.num_evictions,
+            "host_tier_bytes": self.offload.host.num_bytes,
+            "bytes_device_to_host": stats.bytes_device_to_host,
+            "bytes_host_to_device": stats.bytes_host_to_device,
+            "bytes_to_disk": stats.bytes_to_disk,
+            "bytes_from_disk": stats.bytes_from_disk,
         }
 
 

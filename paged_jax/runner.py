@@ -90,6 +90,27 @@ def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_m
     return max_num_seqs * -(-max_model_len // block_size) + 1
 
 
+# Blocks one page-copy program moves at most (a longer copy runs in chunks): 6 compiled sizes.
+MAX_PAGE_COPY = 256
+
+
+def _page_bucket(num_blocks: int) -> int:
+    """Copies of n blocks run at the next power of two >= max(n, 8): a few compiled shapes."""
+    return max(8, 1 << (num_blocks - 1).bit_length())
+
+
+def _gather_pages_fn(kv_caches, block_ids):
+    return [leaf[block_ids] for cache in kv_caches for leaf in cache]
+
+
+def _put_pages_fn(kv_caches, block_ids, pages, device_shardings=None):
+    """device_shardings: the caches' leaves' shardings, when the pages arrive in host memory."""
+    if device_shardings is not None:
+        pages = [jax.device_put(page, sharding) for page, sharding in zip(pages, device_shardings)]
+    pages = iter(pages)
+    return [tuple(leaf.at[block_ids].set(next(pages)) for leaf in cache) for cache in kv_caches]
+
+
 def pack_step_inputs(inputs: StepInputs) -> np.ndarray:
     """The step's arrays back to back as one i32 vector (f32 and u32 fields bit for bit)."""
     return np.concatenate([np.ascontiguousarray(a).view(np.int32).ravel() for a in jax.tree.leaves(inputs)])
@@ -220,6 +241,11 @@ class ModelRunner:
         k = self.layers_per_program
         # Shapes only: the warm-up thread must not read the live caches the steps donate.
         self._abstract_caches = abstract_caches[:k]
+        self._abstract_pool = abstract_caches  # every layer's, for the page layout (no wait on the pool)
+        # Page copies for the offload tiers: a gather and an in-place scatter program per
+        # power-of-two block count up to MAX_PAGE_COPY (warm_up_page_copies compiles them).
+        self._page_programs: dict[int, tuple] = {}
+        self.page_copy_memory_kind: str | None = None  # "pinned_host" or "numpy", set at the first copy
 
     def _init_kv_caches(self) -> None:
         try:
@@ -336,12 +362,19 @@ class ModelRunner:
             fitting = [shape for shape in self._programs if shape[0] >= num_tokens and shape[1] >= num_seqs]
         return min(fitting) if fitting else (t, s)
 
-    def execute(self, inputs: StepInputs) -> tuple[np.ndarray, np.ndarray]:
+    def execute(self, inputs: StepInputs, copies=None) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step; returns (sampled token ids i32[S], their logprobs f32[S]) on the host.
 
         Rows past inputs.num_seqs are padding. A step with no sequences (only finished or
-        aborted requests to release) runs nothing.
+        aborted requests to release) runs no model program. `copies` (offload.StepCopies or
+        None): pages copied down to the host tier, then up from it, before the step (the
+        blocks they leave or fill are reused by this step), and persisted after it.
         """
+        if copies is not None:
+            if copies.store_block_ids.size:
+                copies.store(self.gather_pages(copies.store_block_ids))
+            if copies.load_block_ids.size:
+                self.put_pages(copies.load_block_ids, copies.load())
         if inputs.num_seqs == 0:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
         embed, layers, head = self._programs_for((inputs.model.token_ids.shape[0],
@@ -355,7 +388,101 @@ class ModelRunner:
                                             self._group_kv_scales[i // k])
         token_ids, logprobs = head(self.head_params, x, packed)
         self.num_steps += 1
+        if copies is not None and copies.persist_block_ids.size:
+            copies.persist(self.gather_pages(copies.persist_block_ids))
         return np.asarray(token_ids), np.asarray(logprobs)
+
+    # page copies (offload tiers)
+    def page_leaves(self) -> list[tuple[tuple[int, ...], str]]:
+        """(page shape [block_size, ...], dtype name) of every cache leaf, layer-major: the
+        order gather_pages returns and put_pages takes."""
+        return [(tuple(leaf.shape[1:]), str(leaf.dtype)) for cache in self._abstract_pool for leaf in cache]
+
+    def _page_programs_for(self, bucket: int) -> tuple:
+        """(gather, put) compiled for `bucket` blocks (put takes the caches donated).
+
+        Where the backend has a pinned host memory kind, gather's outputs and put's page
+        inputs live there (the copies are DMA transfers to and from pinned buffers); if that
+        fails to compile, both use plain host arrays (page_copy_memory_kind says which)."""
+        programs = self._page_programs.get(bucket)
+        if programs is None:
+            if self.page_copy_memory_kind is None:
+                self.page_copy_memory_kind = "pinned_host" if self._pinned_page_shardings() else "numpy"
+                try:
+                    programs = self._compile_page_programs(bucket, self._pinned_page_shardings())
+                except Exception:  # noqa: BLE001 -- a backend without host offloading: plain copies
+                    self.page_copy_memory_kind = "numpy"
+            if programs is None:
+                pinned = self._pinned_page_shardings() if self.page_copy_memory_kind == "pinned_host" else None
+                programs = self._compile_page_programs(bucket, pinned)
+            self._page_programs[bucket] = programs
+        return programs
+
+    def _pinned_page_shardings(self) -> list | None:
+        """Every cache leaf's sharding in pinned host memory, or None where there is none."""
+        leaves = [leaf for cache in self.kv_caches for leaf in cache]
+        device = next(iter(leaves[0].devices()))
+        if "pinned_host" not in {memory.kind for memory in device.addressable_memories()}:
+            return None
+        return [leaf.sharding.with_memory_kind("pinned_host") for leaf in leaves]
+
+    def _compile_page_programs(self, bucket: int, pinned: list | None) -> tuple:
+        leaves = [leaf for cache in self.kv_caches for leaf in cache]
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.kv_caches)
+        ids = jax.ShapeDtypeStruct((bucket,), np.int32)
+        pages = [jax.ShapeDtypeStruct((bucket, *leaf.shape[1:]), leaf.dtype,
+                                      sharding=None if pinned is None else pinned[i]) for i, leaf in enumerate(leaves)]
+        if pinned is None:
+            return (jax.jit(_gather_pages_fn).lower(abstract, ids).compile(),
+                    jax.jit(_put_pages_fn, donate_argnums=(0,)).lower(abstract, ids, pages).compile())
+        device = [leaf.sharding for leaf in leaves]
+        gather = jax.jit(_gather_pages_fn, out_shardings=pinned).lower(abstract, ids).compile()
+        put = jax.jit(functools.partial(_put_pages_fn, device_shardings=device), donate_argnums=(0,),
+                      out_shardings=jax.tree.map(lambda a: a.sharding, self.kv_caches)).lower(abstract, ids, pages)
+        return gather, put.compile()
+
+    def warm_up_page_copies(self) -> None:
+        """Compiles the page-copy programs of every bucket (an engine with an offload tier
+        does, so that no step compiles one)."""
+        bucket = 8
+        while bucket <= MAX_PAGE_COPY:
+            self._page_programs_for(bucket)
+            bucket *= 2
+
+    def gather_pages(self, block_ids: np.ndarray) -> list[np.ndarray]:
+        """Copies the pages of block_ids to the host: one array [n, block_size, ...] per leaf.
+
+        One program reads every layer's pages (the ids padded to a power of two with the null
+        block, in chunks of at most MAX_PAGE_COPY), and one device-to-host transfer brings
+        each chunk back.
+        """
+        n = len(block_ids)
+        chunks = []
+        for start in range(0, n, MAX_PAGE_COPY):
+            part = block_ids[start : start + MAX_PAGE_COPY]
+            ids = np.zeros(_page_bucket(len(part)), np.int32)
+            ids[: len(part)] = part
+            gather, _ = self._page_programs_for(len(ids))
+            chunks.append([np.asarray(page)[: len(part)] for page in jax.device_get(gather(self.kv_caches, ids))])
+        return chunks[0] if len(chunks) == 1 else [np.concatenate(leaf) for leaf in zip(*chunks)]
+
+    def put_pages(self, block_ids: np.ndarray, pages: list[np.ndarray]) -> None:
+        """Writes pages (one array [n, block_size, ...] per leaf) into block_ids, in place: the
+        caches are donated to the program (padding rows write the null page)."""
+        for start in range(0, len(block_ids), MAX_PAGE_COPY):
+            part = block_ids[start : start + MAX_PAGE_COPY]
+            n, bucket = len(part), _page_bucket(len(part))
+            ids = np.zeros(bucket, np.int32)
+            ids[:n] = part
+            padded = []
+            for page in pages:
+                full = np.zeros((bucket, *page.shape[1:]), page.dtype)
+                full[:n] = page[start : start + n]
+                padded.append(full)
+            _, put = self._page_programs_for(bucket)
+            if self.page_copy_memory_kind == "pinned_host":
+                padded = jax.device_put(padded, self._pinned_page_shardings())
+            self.kv_caches = list(put(self.kv_caches, ids, padded))
 
     def bucket_shapes(self) -> list[tuple[int, int]]:
         """Every (token bucket, sequence bucket) a step can land in (SchedulerConfig.bucket_shapes),

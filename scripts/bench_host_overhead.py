@@ -108,7 +108,7 @@ def engine_step(steps: int, warmup: int, seed: int) -> dict[str, list[float]]:
     vocab = model.config.vocab_size
     prompts, params = make_requests(vocab, rng, steps + warmup + 50)
 
-    def fake_execute(inputs):
+    def fake_execute(inputs, copies=None):  # no offload tier: copies is always None
         # The jitted call's contract: i32[S] tokens and f32[S] logprobs on the host.
         s = inputs.attention.block_tables.shape[0]
         return rng.integers(3, vocab, s, dtype=np.int32), np.zeros(s, np.float32)

@@ -42,6 +42,7 @@ if [[ $DRY_RUN == 1 ]]; then
   timeout 300 "$PY" scripts/gpu_bench_attention.py --dry-run --out "${OUT:-${TMPDIR:-/tmp}}" --budget-s 120
   timeout 300 "$PY" scripts/gpu_bench_kv_quant.py --dry-run --out "${OUT:-${TMPDIR:-/tmp}}"
   timeout 300 "$PY" scripts/gpu_bench_e2e.py --dry-run --out "${OUT:-${TMPDIR:-/tmp}}"
+  timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_offload_engine.py -k "page_copies"
   exit 0
 fi
 
@@ -70,6 +71,14 @@ if "$PY" -c "import cbor2" 2>/dev/null; then
   timeout 120 "$PY" scripts/gpu_bench_e2e.py ${OUT:+--out "$OUT"} || echo "end-to-end row failed (exit $?)"
 else
   echo "end-to-end row skipped: cbor2 is missing and .whl/ holds no wheel (see the header)"
+fi
+echo "== offload tiers (issue 15): page copies in place, swap / host-tier hits equal dense greedy =="
+if "$PY" -c "import cbor2" 2>/dev/null; then
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 "$PY" -m pytest -q -p no:cacheprovider --timeout=120 \
+    tests/test_offload_engine.py -k "page_copies or heavy or brings" 2>&1 | tee "${OUT:-/tmp}/gpu_offload_tests.log" \
+    || echo "offload tests failed (exit $?)"
+else
+  echo "offload tests skipped: cbor2 is missing (see the header)"
 fi
 echo "kernel tests exit code: $TESTS_RC"
 exit "$TESTS_RC"

@@ -106,3 +106,10 @@ def test_console_script_is_installed():
         pytest.skip(f"no {script}: the package is not installed with its scripts in this environment")
     result = subprocess.run([str(script), "generate", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "--prompts-file" in result.stdout
+
+
+def test_offload_flags_reach_the_engine_config():
+    result = _cli("generate", "--prompt", "hi", "--preemption-mode", "swap", timeout=120)
+    assert result.returncode == 2 and "need a host tier: set offload_host_bytes" in result.stderr
+    result = _cli("generate", "--prompt", "hi", "--offload-host-mib", "1", "--offload-disk-dir", "/tmp/x", timeout=120)
+    assert result.returncode == 2 and "offload_disk_dir needs a fixed hash_seed" in result.stderr

@@ -7,6 +7,10 @@ Invariants (check_invariants asserts each one):
   loses the hash (eviction is a side effect of allocation, LRU by construction).
 - A block has a hash iff cached_block_hash_to_block maps that hash to it.
 - The null block (block 0) is taken at start and never freed, cached, touched or queued.
+
+Listeners (optional, for the offload tiers and KV events): on_cached(pairs) hears of hashes
+newly on the device, on_evicted(pairs) of hashes that left it (no device block holds them
+any more); pairs are (block_hash, block_id), one call per cache_full_blocks / get_new_blocks.
 Imports no jax.
 """
 
@@ -111,6 +115,8 @@ class BlockPool:
         # Padding target of every block table; its ref_cnt is not maintained.
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
+        self.on_cached = None  # callable(list[(block_hash, block_id)]) or None
+        self.on_evicted = None
 
     @property
     def num_blocks(self) -> int:
@@ -139,6 +145,8 @@ class BlockPool:
             f"blocks of size {block_size}: its hasher fell behind its tokens"
         )
         insert = self.cached_block_hash_to_block.insert
+        on_cached = self.on_cached
+        new = [] if on_cached is not None else None
         for i in range(num_cached_blocks, min(num_full_blocks, len(blocks))):
             block = blocks[i]
             if block.is_null:
@@ -146,7 +154,11 @@ class BlockPool:
             assert block.block_hash is None, f"caching block {block.block_id} twice: it already has a hash"
             block_hash = block_hashes[i]
             block.block_hash = block_hash
+            if new is not None and block_hash not in self.cached_block_hash_to_block:
+                new.append((block_hash, block.block_id))
             insert(block_hash, block)
+        if new:
+            on_cached(new)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop num_blocks from the head of the free queue with ref_cnt 1; evicts their hashes.
@@ -159,11 +171,18 @@ class BlockPool:
                 f"cannot get {num_blocks} blocks: only {self.free_block_queue.num_free_blocks} are free"
             )
         ret = self.free_block_queue.popleft_n(num_blocks)
+        on_evicted = self.on_evicted
+        evicted = [] if on_evicted is not None else None
         for block in ret:
             if block.block_hash is not None:
+                block_hash = block.block_hash
                 self._maybe_evict_cached_block(block)
+                if evicted is not None and block_hash not in self.cached_block_hash_to_block:
+                    evicted.append((block_hash, block.block_id))
             assert block.ref_cnt == 0, f"block {block.block_id} was in the free queue with ref_cnt {block.ref_cnt}"
             block.ref_cnt = 1
+        if evicted:
+            on_evicted(evicted)
         return ret
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:

@@ -105,6 +105,9 @@ class SchedulerConfig:
       max_model_len: as in CacheConfig.
       long_prefill_token_threshold: cap on one request's tokens per step (0 = off).
       min_token_bucket, min_seq_bucket: the smallest compiled token / sequence counts.
+      preemption_mode: "recompute" (free the victim's blocks; it recomputes what the
+        prefix cache lost) or "swap" (its pages go to the host tier and come back; needs
+        an offload tier; recompute when the tier is full).
     """
 
     max_num_seqs: int
@@ -113,6 +116,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     min_token_bucket: int = MIN_TOKEN_BUCKET
     min_seq_bucket: int = MIN_SEQ_BUCKET
+    preemption_mode: str = "recompute"
 
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -121,6 +125,8 @@ class SchedulerConfig:
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, "0 turns it off")
         check_int("min_token_bucket", self.min_token_bucket, 1)
         check_int("min_seq_bucket", self.min_seq_bucket, 1)
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
 
     @property
     def token_buckets(self) -> list[int]:

@@ -60,6 +60,9 @@ class KVCacheManager:
     Args:
       config: the resolved CacheConfig (block_size, num_blocks incl. the null block 0,
         max_model_len, enable_prefix_caching, hash_algo, hash_seed).
+      offload: optional OffloadManager (core/offload.py): evicted blocks go down to its
+        tiers, lookups continue in them, swap_out() preempts into them.
+      kv_events: optional KVEventLog: device-tier BlockStored / BlockRemoved.
 
     State: req_to_blocks[request_id] is the request's block table (append-only while it
     lives); num_cached_block[request_id] counts its leading blocks already in the cache.
@@ -67,7 +70,7 @@ class KVCacheManager:
     config.hash_seed): two managers share prefixes only when they share the seed.
     """
 
-    def __init__(self, config: CacheConfig):
+    def __init__(self, config: CacheConfig, offload=None, kv_events=None):
         self.config = config
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
@@ -80,6 +83,23 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self.offload = offload
+        self.kv_events = kv_events
+        if offload is not None or kv_events is not None:
+            self.block_pool.on_cached = self._on_blocks_cached
+            self.block_pool.on_evicted = self._on_blocks_evicted
+
+    def _on_blocks_cached(self, pairs) -> None:
+        if self.kv_events is not None:
+            self.kv_events.stored([h for h, _ in pairs], "device")
+        if self.offload is not None:
+            self.offload.on_blocks_cached(pairs)
+
+    def _on_blocks_evicted(self, pairs) -> None:
+        if self.kv_events is not None:
+            self.kv_events.removed([h for h, _ in pairs], "device")
+        if self.offload is not None:
+            self.offload.on_blocks_evicted(pairs)
 
     # ------------------------------------------------------------------ admission
     def _check_prompt_len(self, request: Request) -> None:
@@ -131,18 +151,25 @@ class KVCacheManager:
         most (num_tokens - 1) // block_size blocks: the last token must be computed to
         produce logits, so a fully cached prompt still recomputes its last block.
 
+        With an offload manager the lookup continues past the last device hit in the host
+        and disk tiers (and through a swapped-out request's own pages); those hits get new
+        blocks in allocate_slots and their pages are copied up before the step.
+
         Returns:
-          (hit blocks in order, number of hit tokens = len(blocks) * block_size).
+          (device hit blocks in order, number of hit tokens: len(blocks) * block_size, plus
+          the tokens found in the offload tiers).
         """
         self._admit(request)
-        if not self.enable_caching:
-            return [], 0
         num_tokens = request.num_tokens
         max_num_blocks = (num_tokens - 1) // self.block_size
-        blocks = self.block_pool.cached_block_hash_to_block.get_prefix_blocks(request.block_hashes, max_num_blocks)
-        num_hit_tokens = len(blocks) * self.block_size
-        self.prefix_cache_stats.record(num_tokens, num_hit_tokens, request.num_preemptions > 0)
-        return blocks, num_hit_tokens
+        blocks = []
+        if self.enable_caching:
+            blocks = self.block_pool.cached_block_hash_to_block.get_prefix_blocks(request.block_hashes,
+                                                                                  max_num_blocks)
+            self.prefix_cache_stats.record(num_tokens, len(blocks) * self.block_size, request.num_preemptions > 0)
+        if self.offload is not None:
+            return blocks, self.offload.find(request, len(blocks), max_num_blocks if self.enable_caching else 0)
+        return blocks, len(blocks) * self.block_size
 
     # ------------------------------------------------------------------ allocation
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
@@ -210,6 +237,8 @@ class KVCacheManager:
             num_blocks_to_allocate = self.get_num_blocks_to_allocate(
                 request_id, num_tokens_need_slot, new_computed_blocks)
             if num_blocks_to_allocate > pool.free_block_queue.num_free_blocks:
+                if self.offload is not None:
+                    self.offload.on_allocation_failed(request_id)
                 return None
             if req_blocks is None:
                 req_blocks = self.req_to_blocks[request_id] = []
@@ -218,7 +247,9 @@ class KVCacheManager:
                 req_blocks.extend(new_computed_blocks)
                 self.num_cached_block[request_id] = len(new_computed_blocks)
             num_new_blocks = num_required_blocks - len(req_blocks)
+            first_allocation = True
         else:
+            first_allocation = False
             # decode fast path: usually the last block still has room
             num_new_blocks = num_required_blocks - len(req_blocks)
             if num_new_blocks > pool.free_block_queue.num_free_blocks:
@@ -240,6 +271,8 @@ class KVCacheManager:
             if num_full_blocks > num_cached_blocks:
                 pool.cache_full_blocks(request, req_blocks, num_cached_blocks, num_full_blocks, block_size)
                 self.num_cached_block[request_id] = num_full_blocks
+        if first_allocation and self.offload is not None:
+            self.offload.on_allocated(request, req_blocks, len(new_computed_blocks))
         return new_blocks
 
     def _check_computed_blocks(self, request: Request, req_blocks, new_computed_blocks) -> list[KVCacheBlock]:
@@ -261,16 +294,44 @@ class KVCacheManager:
 
         A no-op for a request that holds nothing.
         """
+        if self.offload is not None:
+            self.offload.release(request.request_id)
+        self._free_blocks(request)
+
+    def _free_blocks(self, request: Request) -> None:
         request_id = request.request_id
         req_blocks = self.req_to_blocks.pop(request_id, None)
         self.num_cached_block.pop(request_id, None)
         if req_blocks:
             self.block_pool.free_blocks(req_blocks[::-1])
 
+    def swap_out(self, request: Request) -> bool:
+        """Preempts by swap: the request's written pages go to the host tier (copied down
+        before the next step runs) and its blocks are freed as free() does; on resumption
+        get_computed_blocks finds them again. False (nothing changed) when the host tier
+        cannot hold them: the caller preempts by recompute instead."""
+        assert self.offload is not None, "swap preemption needs an offload manager (EngineConfig checks it)"
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if not self.offload.swap_out(request, blocks, request.num_computed_tokens):
+            return False
+        self._free_blocks(request)
+        return True
+
+    def take_step_copies(self):
+        """The page copies the runner makes around this step (offload.StepCopies), or None."""
+        return self.offload.take_step_copies() if self.offload is not None else None
+
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached hashes; False while any request holds blocks."""
+        """Forget all cached hashes (and empty the host tier); False while any request holds
+        blocks or host-tier entries."""
+        if self.offload is not None and not self.offload.is_idle():
+            return False
         if not self.block_pool.reset_prefix_cache():
             return False
+        if self.kv_events is not None:
+            self.kv_events.cleared("device")
+        if self.offload is not None:
+            self.offload.reset()
         self.prefix_cache_stats.num_resets += 1
         return True
 
@@ -305,6 +366,8 @@ class KVCacheManager:
             for i in ids:
                 holders[i] = holders.get(i, 0) + 1
         self.block_pool.check_invariants(holders)
+        if self.offload is not None:
+            self.offload.check_invariants()
         assert set(self.num_cached_block) <= set(self.req_to_blocks), "num_cached_block outlives a freed request"
         for request_id, num_cached in self.num_cached_block.items():
             blocks = self.req_to_blocks[request_id]

@@ -8,7 +8,9 @@ max_num_seqs running requests.
    decode; min(remaining prompt, budget) for a request still prefilling: chunked prefill).
    When allocate_slots cannot cover one, the most recently admitted running request is
    preempted by recompute (blocks freed, num_computed_tokens = 0, FRONT of the waiting
-   queue), which may be the request itself; then the allocation is retried.
+   queue), which may be the request itself; then the allocation is retried. With
+   preemption_mode="swap" its pages go to the host tier first (KVCacheManager.swap_out) and
+   its lookup on resumption finds them; recompute when the tier has no room.
 2. Only in a step that preempted nothing: waiting requests in FCFS order, each after a
    prefix-cache lookup; the first that does not fit in the budget gets a chunk, the first
    whose blocks do not fit stops admission (no skipping ahead: FCFS).
@@ -107,6 +109,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_req_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
+        self.num_recomputed_tokens = 0  # tokens computed again after a preemption lost them
+        self._num_lost_tokens: dict[str, int] = {}  # preempted request -> tokens it had computed
         self.num_finished = 0
         self.num_aborted = 0
         self.num_steps = 0
@@ -164,6 +169,8 @@ class Scheduler:
             if kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
+            lost = self._num_lost_tokens.pop(request.request_id, 0)
+            self.num_recomputed_tokens += max(0, lost - num_hit_tokens)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
@@ -180,7 +187,11 @@ class Scheduler:
         return out
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        self._num_lost_tokens[request.request_id] = request.num_computed_tokens
+        if self.config.preemption_mode == "swap" and self.kv_cache_manager.swap_out(request):
+            self.num_swap_preemptions += 1
+        else:
+            self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -238,6 +249,7 @@ class Scheduler:
         return None
 
     def _free_request(self, request: Request) -> None:
+        self._num_lost_tokens.pop(request.request_id, None)
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
@@ -269,6 +281,8 @@ class Scheduler:
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting),
             "num_preemptions": self.num_preemptions,
+            "num_swap_preemptions": self.num_swap_preemptions,
+            "num_recomputed_tokens": self.num_recomputed_tokens,
             "num_finished": self.num_finished,
             "num_aborted": self.num_aborted,
             "num_steps": self.num_steps,

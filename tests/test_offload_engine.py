@@ -1,0 +1,211 @@
+"""The offload tiers in the engine, against the dense reference generation loop.
+
+- Heavy preemption (11 usable blocks for 8 running requests of up to 11 blocks each) with
+  preemption by recompute over a host tier, by swap, and by swap over a host tier too small
+  for most swaps (recompute fallback): greedy outputs equal dense_greedy's; afterwards the
+  device pool and the host tier hold no request's state (no leaks).
+- A prompt evicted from the device and found in the host tier: its pages come back
+  bit-identical (or, stored as int8 / fp8, equal to the format's round trip), and its
+  outputs are unchanged.
+- A restart: a fresh engine over the same disk directory skips the prefill of a system
+  prompt the first one computed; a directory of another setup is refused.
+- KV events replayed into an index agree with what each tier holds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from engine_reference import (BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, big_llm, dense_greedy, greedy_params,
+                              make_prompts, run_to_completion)
+from models.registry import load_model
+from paged_jax.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from paged_jax.core.request import Request, SamplingParams
+from paged_jax.engine import EngineConfig, LLMEngine
+
+SMALL_POOL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=12)
+BLOCK_BYTES = 8192  # one block of the tiny model's pages: 2 layers x (k, v) x 16 x 2 heads x 16 x f32
+
+
+def offload_engine(model_object=None, **overrides) -> LLMEngine:
+    base = big_llm().engine
+    config = EngineConfig(**{"model": "tiny", "max_model_len": MAX_MODEL_LEN, "block_size": BLOCK_SIZE,
+                             "warm_up": "none", **SMALL_POOL, **overrides})
+    return LLMEngine(config, model=model_object or base.model, tokenizer=base.tokenizer)
+
+
+@functools.cache
+def workload():
+    prompts, max_tokens = make_prompts(5, num=20)
+    return prompts, max_tokens, dense_greedy(prompts, max_tokens)[0]
+
+
+def generate(engine, prompts, max_tokens, prefix="r"):
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(f"{prefix}{i}", p, greedy_params(m))
+    finished = run_to_completion(engine)
+    return [finished[f"{prefix}{i}"].token_ids for i in range(len(prompts))]
+
+
+def assert_tiers_idle(engine):
+    """No request's state is left anywhere; a prefix-cache reset then returns the device pool
+    and the host tier to their initial state (every block free and unhashed, nothing held)."""
+    assert_no_leak(engine)
+    engine.offload.check_invariants(idle=True)
+    assert engine.offload.host.num_bytes <= engine.config.offload_host_bytes
+    assert engine.kv_cache_manager.reset_prefix_cache()
+    pool = engine.kv_cache_manager.block_pool
+    assert len(pool.cached_block_hash_to_block) == 0 and not any(b.block_hash for b in pool.blocks)
+    assert len(engine.offload.host) == 0 and engine.offload.host.num_bytes == 0
+
+
+@pytest.mark.parametrize("mode,host_blocks", [("recompute", 64), ("swap", 64), ("swap", 3)])
+def test_heavy_preemption_matches_dense_greedy(mode, host_blocks):
+    prompts, max_tokens, reference = workload()
+    engine = offload_engine(preemption_mode=mode, offload_host_bytes=host_blocks * BLOCK_BYTES)
+    assert generate(engine, prompts, max_tokens) == reference
+    stats = engine.get_stats()
+    assert stats["num_preemptions"] >= 3, "the workload did not preempt: the test would prove nothing"
+    if mode == "recompute":
+        assert stats["host_cache_hits"] > 0 and stats["num_swap_outs"] == 0
+    elif host_blocks == 64:
+        assert stats["num_swap_outs"] == stats["num_preemptions"] == stats["num_swap_ins"]
+        assert stats["num_recomputed_tokens"] == 0 and stats["num_swap_fallbacks"] == 0
+    else:  # a host tier of 3 blocks: most swaps fall back to recompute; it stays at its cap
+        assert stats["num_swap_fallbacks"] > 0 and stats["num_recomputed_tokens"] > 0
+        assert stats["num_host_evictions"] > 0 and stats["host_tier_bytes"] == 3 * BLOCK_BYTES
+    assert stats["bytes_device_to_host"] > 0 and stats["bytes_host_to_device"] > 0
+    assert_tiers_idle(engine)
+
+
+def chain_hashes(engine, tokens):
+    request = Request("hashes", tokens, SamplingParams())
+    request.set_block_hasher(engine.kv_cache_manager.block_hasher)
+    return list(request.block_hashes)
+
+
+def device_pages(engine, hashes):
+    pool = engine.kv_cache_manager.block_pool
+    blocks = [pool.get_cached_block(h) for h in hashes]
+    assert None not in blocks, "a block expected on the device is not cached there"
+    return engine.runner.gather_pages(np.array([b.block_id for b in blocks]))
+
+
+@pytest.mark.parametrize("storage", [None, "int8", "float8_e4m3fn"])
+def test_host_tier_hit_brings_the_pages_back(storage):
+    engine = offload_engine(offload_host_bytes=64 * BLOCK_BYTES, offload_dtype=storage)
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, 512, 100).tolist()  # 6 full blocks, the last 4 tokens in a 7th
+    first = generate(engine, [prompt], [4], prefix="a")[0]
+    hashes = chain_hashes(engine, prompt)[:6]
+    before = device_pages(engine, hashes)
+    fillers = [rng.integers(0, 512, 150).tolist() for _ in range(2)]  # 10 blocks each: evict the prompt
+    generate(engine, fillers, [2, 2], prefix="f")
+    pool = engine.kv_cache_manager.block_pool
+    assert not any(pool.get_cached_block(h) for h in hashes), "the prompt's blocks were not evicted"
+    assert all(h in engine.offload.host for h in hashes), "evicted blocks did not reach the host tier"
+    hits = engine.get_stats()["host_cache_hits"]
+    again = generate(engine, [prompt], [4], prefix="b")[0]
+    assert engine.get_stats()["host_cache_hits"] - hits == 6 * BLOCK_SIZE
+    after = device_pages(engine, hashes)
+    expected = before if storage is None else engine.offload.codec.decode(engine.offload.codec.encode(before))
+    for x, y in zip(expected, after):
+        assert x.tobytes() == y.tobytes(), "pages changed on their way through the host tier"
+    if storage is None:
+        assert again == first == dense_greedy([prompt], [4])[0][0]
+        assert engine.offload.codec.nbytes == BLOCK_BYTES
+    else:
+        assert engine.offload.codec.nbytes < 0.4 * BLOCK_BYTES
+    assert_tiers_idle(engine)
+
+
+@pytest.mark.slow
+def test_restart_reads_the_disk_tier(tmp_path):
+    rng = np.random.default_rng(12)
+    system = rng.integers(0, 512, 120).tolist()  # 7 full blocks
+    questions = [rng.integers(0, 512, 9).tolist() for _ in range(2)]
+    settings = dict(offload_host_bytes=16 * BLOCK_BYTES, offload_disk_dir=str(tmp_path), hash_seed=7)
+    first = offload_engine(**settings)
+    generate(first, [system + questions[0]], [3], prefix="a")
+    first.offload.disk.flush()
+    assert len(first.offload.disk) >= 7 and first.get_stats()["bytes_to_disk"] > 0
+    first.offload.disk.close()
+
+    restarted = offload_engine(**settings)  # a fresh pool, host tier and hash chain root (seeded)
+    assert restarted.offload.stats.disk_hit_tokens == 0
+    out = generate(restarted, [system + questions[1]], [6], prefix="b")[0]
+    stats = restarted.get_stats()
+    assert stats["disk_cache_hits"] == 7 * BLOCK_SIZE and stats["bytes_from_disk"] == 7 * BLOCK_BYTES
+    assert out == dense_greedy([system + questions[1]], [6])[0][0]
+    assert_tiers_idle(restarted)
+    restarted.offload.disk.close()
+
+    with pytest.raises(ValueError, match="block_size: 16 in the directory, 32 here"):
+        offload_engine(**{**settings, "block_size": 32})
+    with pytest.raises(ValueError, match="chain_root"):
+        offload_engine(**{**settings, "hash_seed": 8})
+    with pytest.raises(ValueError, match="model: "):
+        offload_engine(**settings, model_object=load_model("tiny", seed=1))
+
+
+def test_kv_events_track_what_each_tier_holds():
+    prompts, max_tokens, _ = workload()
+    engine = offload_engine(offload_host_bytes=6 * BLOCK_BYTES, enable_kv_events=True)
+    index: dict[str, set] = {"device": set(), "host": set()}
+    seen = []
+    engine.kv_events.subscribe(seen.append)
+    generate(engine, prompts, max_tokens)
+    queued = engine.kv_events.get_events()
+    assert queued == seen and engine.kv_events.get_events() == []
+    for event in queued:
+        if isinstance(event, BlockStored):
+            assert not index[event.tier] & set(event.block_hashes), "stored twice without a removal"
+            index[event.tier] |= set(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            assert set(event.block_hashes) <= index[event.tier], "removed a hash the tier never stored"
+            index[event.tier] -= set(event.block_hashes)
+    device = {h for h, _ in engine.kv_cache_manager.block_pool.cached_block_hash_to_block.items()}
+    host = {k for k in engine.offload.host.keys() if isinstance(k, bytes)}
+    assert index["device"] == device and index["host"] == host
+    assert any(isinstance(e, BlockRemoved) and e.tier == "host" for e in queued), "the host tier never evicted"
+    assert_tiers_idle(engine)
+    assert engine.kv_events.get_events() == [AllBlocksCleared("device"), AllBlocksCleared("host")]
+
+
+@pytest.mark.parametrize("memory", ["pinned_host", "numpy"])
+def test_page_copies_round_trip_and_update_in_place(monkeypatch, memory):
+    """Both transfer paths: through jax's pinned host memory kind (the CPU backend has one,
+    as GPUs do) and through plain numpy arrays (backends without it)."""
+    if memory == "numpy":
+        monkeypatch.setattr("paged_jax.runner.ModelRunner._pinned_page_shardings", lambda self: None)
+    engine = offload_engine(offload_host_bytes=4 * BLOCK_BYTES, num_blocks=24)
+    runner = engine.runner
+    rng = np.random.default_rng(0)
+    ids = rng.permutation(np.arange(1, 24))[:19]
+    pages = [rng.normal(size=(19, *shape)).astype(dtype) for shape, dtype in runner.page_leaves()]
+    monkeypatch.setattr("paged_jax.runner.MAX_PAGE_COPY", 8)  # 19 blocks: chunks of 8 + 8 + 3
+    runner.put_pages(ids, pages)
+    order = rng.permutation(19)
+    got = runner.gather_pages(ids[order])
+    for page, back in zip(pages, got):
+        np.testing.assert_array_equal(back, page[order])
+    assert runner.page_copy_memory_kind == memory
+    put = runner._page_programs_for(8)[1].memory_analysis()
+    assert put.alias_size_in_bytes == runner.kv_cache_bytes, "the page scatter did not update the caches in place"
+    assert put.temp_size_in_bytes < runner.kv_cache_bytes / 4
+
+
+def test_offload_arguments_are_checked():
+    with pytest.raises(ValueError, match="need a host tier"):
+        EngineConfig(preemption_mode="swap")
+    with pytest.raises(ValueError, match="preemption_mode='evict'"):
+        EngineConfig(preemption_mode="evict")
+    with pytest.raises(ValueError, match="needs a fixed hash_seed"):
+        EngineConfig(offload_host_bytes=1 << 20, offload_disk_dir="/tmp/x")
+    with pytest.raises(ValueError, match="offload_dtype='int4'"):
+        EngineConfig(offload_host_bytes=1 << 20, offload_dtype="int4")
+    with pytest.raises(ValueError, match="cannot hold one block"):
+        offload_engine(offload_host_bytes=100)
