@@ -34,6 +34,7 @@ from paged_jax.core.request import Request, SamplingParams
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.tokenizer import Tokenizer
 from paged_jax.runner import ModelRunner, num_blocks_for_budget
+from paged_jax.sharding import check_tensor_parallel, make_mesh
 
 # A default table width that stays cheap for long-context checkpoints (Llama 3 says 131072).
 DEFAULT_MAX_MODEL_LEN_CAP = 4096
@@ -70,6 +71,10 @@ class EngineConfig:
     warm_up: str | bool = "background"  # one of WARM_UP_MODES (True: "full", False: "none")
     # jax's persistent compilation cache (paged_jax/compile_cache.py); None leaves it off.
     compile_cache_dir: str | None = dataclasses.field(default_factory=default_compile_cache_dir)
+    # Devices one engine's weights and KV heads are split over (a "tp" Mesh, paged_jax/sharding.py),
+    # and engine replicas behind one LLM, each with its own pool (paged_jax/data_parallel.py).
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self):
         # The same checks CacheConfig / SchedulerConfig make, here so a bad argument fails
@@ -89,6 +94,8 @@ class EngineConfig:
             raise ValueError(f"warm_up={self.warm_up!r} must be one of {WARM_UP_MODES}: 'background' compiles the "
                              "buckets while serving, 'full' all of them before, 'none' each on first use")
         check_compile_cache_dir(self.compile_cache_dir)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1, "1 runs on one device")
+        check_int("data_parallel_size", self.data_parallel_size, 1, "1 runs one engine")
         if self.layers_per_program is not None:
             check_int("layers_per_program", self.layers_per_program, 1, "or None to let the runner choose")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -105,8 +112,9 @@ class EngineConfig:
                 raise ValueError(f"dtype={self.dtype!r} must be a float dtype such as 'float32' or 'bfloat16' "
                                  "(or None for the checkpoint's)")
 
-    def resolve(self, model) -> tuple[CacheConfig, SchedulerConfig]:
-        """The sizes this config means for a loaded model on this device."""
+    def resolve(self, model, device=None) -> tuple[CacheConfig, SchedulerConfig]:
+        """The sizes this config means for a loaded model on this device (`device`: the first
+        of the engine's mesh; the pool is sized per device, see num_blocks_for_budget)."""
         mc = model.config
         max_model_len = self.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
         if max_model_len > mc.max_position_embeddings:
@@ -115,7 +123,8 @@ class EngineConfig:
         num_blocks = num_blocks_for_budget(
             model.kv_cache_specs(self.dtype), self.block_size, num_blocks=self.num_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
-            max_num_seqs=self.max_num_seqs, max_model_len=max_model_len)
+            max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
+            tensor_parallel_size=self.tensor_parallel_size, device=device)
         cache = CacheConfig(self.block_size, num_blocks, max_model_len, self.enable_prefix_caching,
                             self.hash_algo, self.hash_seed)
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
@@ -175,23 +184,33 @@ class LLMEngine:
     """Continuous batching over a paged KV cache: add_request, step, abort_request."""
 
     def __init__(self, config: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *,
-                 warm_up_progress=None):
+                 warm_up_progress=None, devices=None):
         """Loads the model (unless given), sizes the pool and compiles as config.warm_up says.
 
         warm_up_progress: optional callable(num_compiled, num_buckets), called after each
         bucket compiles (from the warm-up thread too, in "background" mode).
+        devices: the tensor_parallel_size devices this engine runs on (a data-parallel
+        replica's); default the first ones. With tensor_parallel_size > 1, several processes
+        (jax.distributed) or explicit devices, the engine runs on a "tp" Mesh over them.
         """
         self.config = c = config
         enable_compile_cache(c.compile_cache_dir)
+        self.mesh = None
+        if c.tensor_parallel_size > 1 or devices is not None or jax.process_count() > 1:
+            self.mesh = make_mesh(c.tensor_parallel_size, devices)
         self.model = model if model is not None else load_model(c.model, dtype=c.dtype, seed=c.seed)
+        if self.mesh is not None:
+            check_tensor_parallel(self.model.config, c.tensor_parallel_size)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(c.model)
         mc = self.model.config
-        self.cache_config, self.scheduler_config = c.resolve(self.model)
+        local_device = None if self.mesh is None else next(
+            d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+        self.cache_config, self.scheduler_config = c.resolve(self.model, local_device)
         self.kv_cache_manager = KVCacheManager(self.cache_config)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.runner = ModelRunner(self.model, self.cache_config, self.scheduler_config,
                                   attention_impl=c.attention_impl, interpret=c.interpret, kv_cache_dtype=c.dtype,
-                                  layers_per_program=c.layers_per_program)
+                                  layers_per_program=c.layers_per_program, mesh=self.mesh)
         self.input_builder = StepInputsBuilder(self.cache_config, self.scheduler_config, seed=c.seed,
                                                choose_shape=self.runner.choose_shape)
         # Generation stops on any of the model's EOS ids (Llama 3 instruct lists several).
@@ -321,6 +340,10 @@ class LLMEngine:
             "num_generated_tokens": self.num_generated_tokens,
             "num_blocks": self.cache_config.num_blocks,
             "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "kv_cache_bytes_per_device": self.runner.kv_cache_bytes_per_device,
+            "tensor_parallel_size": self.runner.tensor_parallel_size,
+            # >1: tp exceeds the model's KV heads and each is held by this many devices.
+            "kv_head_replicas": self.runner.kv_head_replicas,
             "attention_impl": self.runner.attention_impl,
             "backend": jax.default_backend(),
         }

@@ -31,18 +31,23 @@ token bucket), which `num_compilations` counts so a test can prove it.
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 import weakref
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from models.kv_cache_spec import init_kv_caches, kv_cache_bytes_per_token
 from paged_jax.attention import make_attention_backend
 from paged_jax.core.config import CacheConfig, SchedulerConfig
 from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
 from paged_jax.sampler import sample
+from paged_jax.sharding import (TP_AXIS, ShardedAttention, cache_shardings, check_tensor_parallel,
+                                init_sharded_kv_caches, kv_head_replicas, local_value, put_replicated, replicated,
+                                shard_params, sharded_cache_spec, step_fingerprint)
 
 # A memory-derived pool never exceeds this many blocks (4M tokens at block_size 16): the
 # host keeps one Python object per block, and only tiny models on big GPUs reach it (a
@@ -57,18 +62,26 @@ def _default_layers_per_program(num_layers: int) -> int:
 
 
 def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_memory_bytes=None,
-                          gpu_memory_utilization=0.9, max_num_seqs: int, max_model_len: int) -> int:
+                          gpu_memory_utilization=0.9, max_num_seqs: int, max_model_len: int,
+                          tensor_parallel_size: int = 1, device=None) -> int:
     """How many KV blocks (null block included) the pool gets.
 
     Args:
       specs: the model's per-layer cache specs (their bytes per token size a block).
+      tensor_parallel_size: devices the pool is split over: a block costs each of them the
+        bytes of its share of the (replicated up to tp) KV heads, and kv_cache_memory_bytes
+        and the memory statistics are per device.
+      device: whose memory statistics count (default jax.devices()[0]).
     Precedence: num_blocks, else kv_cache_memory_bytes // bytes per block, else
     gpu_memory_utilization of the device's free memory (at most MAX_AUTO_BLOCKS). Devices
     that report no memory statistics (the CPU) get room for max_num_seqs full-length
     sequences, the most the scheduler can ever hold at once, so nothing is preempted there
     unless asked for.
     """
-    per_block = kv_cache_bytes_per_token(specs) * block_size
+    tp = tensor_parallel_size
+    if tp > 1:
+        specs = [sharded_cache_spec(spec, tp) for spec in specs]
+    per_block = kv_cache_bytes_per_token(specs) * block_size // tp
     if num_blocks is not None:
         return num_blocks
     if kv_cache_memory_bytes is not None:
@@ -77,7 +90,7 @@ def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_m
             raise ValueError(f"{kv_cache_memory_bytes=} holds {n} blocks of {per_block} bytes; give at least "
                              f"{2 * per_block} bytes (the null block plus one)")
         return int(n)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = (device or jax.devices()[0]).memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return max(2, min(int(free * gpu_memory_utilization) // per_block, MAX_AUTO_BLOCKS))
@@ -110,20 +123,32 @@ class ModelRunner:
       layers_per_program: decoder layers one compiled program runs (a divisor of the layer
         count); None: _default_layers_per_program(num_layers). The layer count itself compiles the
         whole stack into one program: the old step time, at the old compile time per bucket.
+      mesh: a jax.sharding.Mesh with a "tp" axis (paged_jax/sharding.py): weights and the pool
+        are placed split over it, the attention backend runs per shard and every step input
+        is replicated. None: everything on the default device (the single-device programs).
     """
 
     def __init__(self, model, cache_config: CacheConfig, scheduler_config: SchedulerConfig, *,
                  attention_impl: str | None = None, interpret: bool = False, kv_cache_dtype=None,
-                 layers_per_program: int | None = None):
+                 layers_per_program: int | None = None, mesh=None):
         self.config = model.config
+        self.mesh = mesh
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.num_blocks = cache_config.num_blocks
         specs = model.kv_cache_specs(kv_cache_dtype)
         if len(set(specs)) != 1:
             raise ValueError("layers with different cache specs need one backend each; this runner builds one")
+        self.tensor_parallel_size = tp = 1 if mesh is None else mesh.shape[TP_AXIS]
+        self.kv_head_replicas = 1
+        if mesh is not None:
+            check_tensor_parallel(model.config, tp)
+            self.kv_head_replicas = kv_head_replicas(model.config.num_kv_heads, tp)
+            specs = tuple(sharded_cache_spec(spec, tp) for spec in specs)
         self.kv_cache_specs = specs
         self.attention = make_attention_backend(specs[0], attention_impl, interpret=interpret)
+        if mesh is not None:
+            self.attention = ShardedAttention(self.attention, mesh, self.kv_head_replicas)
         self.attention_impl = self.attention.name
         self.token_buckets = scheduler_config.token_buckets
         self.seq_buckets = scheduler_config.seq_buckets
@@ -141,8 +166,19 @@ class ModelRunner:
         self.layers_per_program = layers_per_program
         self.layer_params = [nnx.state(layer) for layer in model.layers]
         self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
-        self.kv_caches = init_kv_caches(specs, cache_config.num_blocks, cache_config.block_size)
+        if mesh is None:
+            self.kv_caches = init_kv_caches(specs, cache_config.num_blocks, cache_config.block_size)
+        else:
+            # New arrays on the mesh (no-ops for weights a loader already placed there); the
+            # model object keeps its own, so data-parallel replicas can share one model.
+            place = functools.partial(shard_params, mesh=mesh, kv_heads_split=self.kv_head_replicas == 1)
+            self.layer_params = [place(params) for params in self.layer_params]
+            self.head_params = place(self.head_params)
+            self.kv_caches = init_sharded_kv_caches(specs, cache_config.num_blocks, cache_config.block_size, mesh)
         self.kv_cache_bytes = sum(a.nbytes for a in jax.tree.leaves(self.kv_caches))
+        # What one device holds (all of it without a mesh).
+        self.kv_cache_bytes_per_device = sum(a.addressable_shards[0].data.nbytes
+                                             for a in jax.tree.leaves(self.kv_caches))
         self.num_compilations = 0  # bucket shapes compiled (each: a layer and a head program)
         self.num_steps = 0
         self._embed_programs: dict[int, object] = {}
@@ -154,7 +190,22 @@ class ModelRunner:
         self._error: BaseException | None = None
         k = self.layers_per_program
         # Shapes only: the warm-up thread must not read the live caches the steps donate.
-        self._abstract_caches = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.kv_caches[:k])
+        self._abstract_caches = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._sharding(a)),
+                                             self.kv_caches[:k])
+
+    def _sharding(self, a):
+        """The sharding a program argument is compiled for: its own (placed arrays), replicated
+        (host inputs on a mesh), or None (no mesh: the default device)."""
+        if self.mesh is None:
+            return None
+        return a.sharding if isinstance(a, jax.Array) else replicated(self.mesh)
+
+    def _jit(self, fn, out_shardings, **kwargs):
+        # On a mesh the outputs are pinned (replicated activations, caches as they came in),
+        # so the next program and the next step get what they were compiled for.
+        if self.mesh is None:
+            return jax.jit(fn, **kwargs)
+        return jax.jit(fn, out_shardings=out_shardings, **kwargs)
 
     # the three programs of a step (traced once per shape, at compile time)
     def _model(self, head_params):
@@ -181,17 +232,22 @@ class ModelRunner:
     def _compile(self, num_tokens: int, num_seqs: int) -> tuple:
         """Lowers and compiles the three programs of one bucket (from shapes only, so the
         warm-up thread never touches the live, donated caches)."""
-        abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)  # noqa: E731
+        abstract = lambda tree: jax.tree.map(  # noqa: E731
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self._sharding(a)), tree)
         inputs = abstract(self.dummy_inputs(num_tokens, num_seqs))
+        rep = None if self.mesh is None else replicated(self.mesh)
         embed = self._embed_programs.get(num_tokens)
         if embed is None:
-            embed = jax.jit(self._embed_fn).lower(abstract(self.head_params), inputs.model.token_ids).compile()
+            embed = self._jit(self._embed_fn, rep).lower(abstract(self.head_params), inputs.model.token_ids).compile()
         x = jax.eval_shape(self._embed_fn, abstract(self.head_params), inputs.model.token_ids)
+        x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
         k = self.layers_per_program
-        layer = jax.jit(self._layer_fn, donate_argnums=(2,)).lower(
+        caches_out = None if self.mesh is None else [cache_shardings(spec, self.mesh)
+                                                     for spec in self.kv_cache_specs[:k]]
+        layer = self._jit(self._layer_fn, (rep, caches_out), donate_argnums=(2,)).lower(
             abstract(self.layer_params[:k]), x, self._abstract_caches, inputs.model.positions,
             inputs.attention).compile()
-        head = jax.jit(self._head_fn).lower(abstract(self.head_params), x, inputs).compile()
+        head = self._jit(self._head_fn, (rep, rep)).lower(abstract(self.head_params), x, inputs).compile()
         return embed, layer, head
 
     def _programs_for(self, shape: tuple[int, int]) -> tuple:
@@ -244,7 +300,14 @@ class ModelRunner:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
         embed, layer, head = self._programs_for((inputs.model.token_ids.shape[0],
                                                  inputs.attention.block_tables.shape[0]))
-        inputs = jax.device_put(inputs)  # once: every layer call reads the same device arrays
+        if self.mesh is None:
+            inputs = jax.device_put(inputs)  # once: every layer call reads the same device arrays
+        else:
+            if jax.process_count() > 1:
+                # Every process must run this very step (paged_jax/multiprocess.py): a
+                # diverged scheduler fails here, not in a hung or garbled collective.
+                multihost_utils.assert_equal(step_fingerprint(inputs), "processes scheduled different steps")
+            inputs = put_replicated(inputs, self.mesh)
         x = embed(self.head_params, inputs.model.token_ids)
         kv_caches, k = self.kv_caches, self.layers_per_program
         for i in range(0, len(kv_caches), k):
@@ -252,6 +315,8 @@ class ModelRunner:
                                             inputs.model.positions, inputs.attention)
         token_ids, logprobs = head(self.head_params, x, inputs)
         self.num_steps += 1
+        if self.mesh is not None:  # replicated; this process's copy (one may not read others')
+            return local_value(token_ids), local_value(logprobs)
         return np.asarray(token_ids), np.asarray(logprobs)
 
     def bucket_shapes(self) -> list[tuple[int, int]]:
