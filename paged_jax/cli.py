@@ -53,6 +53,16 @@ def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64,
                         "count compiles the whole stack as one program, for the fastest steps")
     m.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file for chat requests (default: the model's own)")
+    d = p.add_argument_group("devices and hosts (README: several devices and hosts)")
+    d.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices one engine's heads and KV cache are split over (all processes' devices)")
+    d.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas, each on its own tensor-parallel-size devices, routed by cached prefix")
+    d.add_argument("--coordinator-address", default=None,
+                   help="host:port of process 0: run one engine across processes (jax.distributed); every "
+                        "process runs the same command with the same prompts and its own --process-id")
+    d.add_argument("--num-processes", type=int, default=1)
+    d.add_argument("--process-id", type=int, default=0)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -152,6 +162,10 @@ def _make_llm(args, progress: Progress):
     """The LLM of the engine flags, its bucket compilation shown on `progress`."""
     from paged_jax import LLM  # jax loads here, after argument errors are out of the way
 
+    if args.coordinator_address:
+        from paged_jax.multiprocess import initialize
+
+        initialize(args.coordinator_address, args.num_processes, args.process_id)
     task = progress.add_task(f"loading {args.model}, compiling the first bucket", total=None)
 
     def compiled(done: int, total: int) -> None:
@@ -162,7 +176,8 @@ def _make_llm(args, progress: Progress):
                max_num_batched_tokens=args.max_num_batched_tokens,
                enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl,
                warm_up=args.warm_up, compile_cache_dir=None if args.no_compile_cache else args.compile_cache_dir,
-               layers_per_program=args.layers_per_program, warm_up_progress=compiled)
+               layers_per_program=args.layers_per_program, tensor_parallel_size=args.tensor_parallel_size,
+               data_parallel_size=args.data_parallel_size, warm_up_progress=compiled)
 
 
 def _progress(console: Console, show: bool = True) -> Progress:
@@ -187,7 +202,8 @@ def generate(args, params, prompts: list[str], console: Console) -> int:
         elapsed = time.perf_counter() - start
     # The buckets this run did not need are left to the next one (their compilation would
     # only delay the exit); those compiled are in the persistent cache.
-    llm.engine.runner.stop_warm_up()
+    for engine in getattr(llm.engine, "replicas", [llm.engine]):  # data parallel: each replica's
+        engine.runner.stop_warm_up()
     summary = _summary(outputs, llm.stats(), elapsed)
     if args.json:
         for o in outputs:

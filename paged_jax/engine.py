@@ -34,6 +34,7 @@ from paged_jax.core.request import Request, SamplingParams
 from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.tokenizer import Tokenizer
 from paged_jax.runner import ModelRunner, num_blocks_for_budget
+from paged_jax.multiprocess import check_multiprocess_config
 from paged_jax.sharding import check_tensor_parallel, make_mesh
 
 # A default table width that stays cheap for long-context checkpoints (Llama 3 says 131072).
@@ -196,6 +197,7 @@ class LLMEngine:
         self.config = c = config
         enable_compile_cache(c.compile_cache_dir)
         self.mesh = None
+        check_multiprocess_config(c.tensor_parallel_size, c.data_parallel_size)
         if c.tensor_parallel_size > 1 or devices is not None or jax.process_count() > 1:
             self.mesh = make_mesh(c.tensor_parallel_size, devices)
         self.model = model if model is not None else load_model(c.model, dtype=c.dtype, seed=c.seed)
@@ -223,9 +225,12 @@ class LLMEngine:
         if warm_up_progress is not None:
             total = len(self.runner.bucket_shapes())
             progress = lambda: warm_up_progress(self.runner.num_compiled_shapes, total)  # noqa: E731
-        if c.warm_up == "full":
+        warm_up = c.warm_up
+        if warm_up == "background" and jax.process_count() > 1:
+            warm_up = "full"  # step shapes must not depend on timing (paged_jax/multiprocess.py)
+        if warm_up == "full":
             self.runner.warm_up(progress)
-        elif c.warm_up == "background":
+        elif warm_up == "background":
             self.runner.start_warm_up(progress=progress)
 
     # requests
@@ -358,11 +363,17 @@ class LLM:
       warm_up_progress: optional callable(num_compiled, num_buckets) (see LLMEngine).
       **engine_args: any EngineConfig field (block_size, num_blocks, max_model_len,
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, dtype, attention_impl,
-        warm_up, compile_cache_dir...).
+        warm_up, compile_cache_dir, tensor_parallel_size, data_parallel_size...).
     """
 
     def __init__(self, model: str = "tiny", *, warm_up_progress=None, **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), warm_up_progress=warm_up_progress)
+        config = EngineConfig(model=model, **engine_args)
+        if config.data_parallel_size > 1:
+            from paged_jax.data_parallel import DataParallelEngine  # it builds LLMEngines
+
+            self.engine = DataParallelEngine(config, warm_up_progress=warm_up_progress)
+        else:
+            self.engine = LLMEngine(config, warm_up_progress=warm_up_progress)
         self._next_id = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
