@@ -126,9 +126,10 @@ def main():
         llm2 = LLM("tiny", **ENGINE, data_parallel_size=2)
         engine = llm2.engine
         routes = {}
-        for i, (prompt, max_tokens) in enumerate(zip(prompts, MAX_TOKENS)):
-            engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                               ignore_eos=True))
+        # Two system-prompt requests first: alternating replicas would split them.
+        for i in (1, 3, 0, 2, 5, 4, 7, 6):
+            engine.add_request(f"r{i}", prompts[i], SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0,
+                                                                   ignore_eos=True))
             routes[i] = engine.replica_of(f"r{i}")
         finished = {}
         while engine.has_unfinished_requests():
