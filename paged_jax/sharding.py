@@ -141,14 +141,17 @@ def _name_of(path) -> str:
     return str(keys[-1]) if keys else ""
 
 
+def param_shardings(state, mesh, *, kv_heads_split: bool):
+    """NamedSharding of every parameter of a model state (arrays or ShapeDtypeStructs), by
+    name; `mesh` may be an AbstractMesh (lowering without the devices)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, param_partition_spec(_name_of(path), x.shape,
+                                                                 kv_heads_split=kv_heads_split)), state)
+
+
 def shard_params(state, mesh: Mesh, *, kv_heads_split: bool):
     """The model state (an nnx.State or any pytree of arrays) placed on the mesh by name."""
-
-    def place(path, x):
-        spec = param_partition_spec(_name_of(path), x.shape, kv_heads_split=kv_heads_split)
-        return jax.device_put(x, NamedSharding(mesh, spec))
-
-    return jax.tree_util.tree_map_with_path(place, state)
+    return jax.device_put(state, param_shardings(state, mesh, kv_heads_split=kv_heads_split))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
