@@ -35,7 +35,7 @@ from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.tokenizer import Tokenizer
 from paged_jax.runner import ModelRunner, num_blocks_for_budget
 from paged_jax.multiprocess import check_multiprocess_config
-from paged_jax.sharding import check_tensor_parallel, make_mesh
+from paged_jax.sharding import check_tensor_parallel, make_mesh, param_placer
 
 # A default table width that stays cheap for long-context checkpoints (Llama 3 says 131072).
 DEFAULT_MAX_MODEL_LEN_CAP = 4096
@@ -200,7 +200,11 @@ class LLMEngine:
         check_multiprocess_config(c.tensor_parallel_size, c.data_parallel_size)
         if c.tensor_parallel_size > 1 or devices is not None or jax.process_count() > 1:
             self.mesh = make_mesh(c.tensor_parallel_size, devices)
-        self.model = model if model is not None else load_model(c.model, dtype=c.dtype, seed=c.seed)
+        if model is None:
+            # On a mesh each checkpoint tensor goes to its devices, split, as it is read.
+            place = None if self.mesh is None else param_placer(self.mesh)
+            model = load_model(c.model, dtype=c.dtype, seed=c.seed, place=place)
+        self.model = model
         if self.mesh is not None:
             check_tensor_parallel(self.model.config, c.tensor_parallel_size)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(c.model)

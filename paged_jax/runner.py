@@ -31,7 +31,6 @@ token bucket), which `num_compilations` counts so a test can prove it.
 from __future__ import annotations
 
 import atexit
-import functools
 import threading
 import weakref
 
@@ -171,9 +170,8 @@ class ModelRunner:
         else:
             # New arrays on the mesh (no-ops for weights a loader already placed there); the
             # model object keeps its own, so data-parallel replicas can share one model.
-            place = functools.partial(shard_params, mesh=mesh, kv_heads_split=self.kv_head_replicas == 1)
-            self.layer_params = [place(params) for params in self.layer_params]
-            self.head_params = place(self.head_params)
+            self.layer_params = [shard_params(params, mesh) for params in self.layer_params]
+            self.head_params = shard_params(self.head_params, mesh)
             self.kv_caches = init_sharded_kv_caches(specs, cache_config.num_blocks, cache_config.block_size, mesh)
         self.kv_cache_bytes = sum(a.nbytes for a in jax.tree.leaves(self.kv_caches))
         # What one device holds (all of it without a mesh).

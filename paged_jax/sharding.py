@@ -44,12 +44,12 @@ from models.kv_cache_spec import FullAttentionSpec
 TP_AXIS = "tp"
 
 # Parameter name (the last key of its path in the model state) -> how it is split. A name
-# missing here is replicated. "kv" marks the K/V projections, split like q_proj when every
-# device gets whole KV heads and replicated otherwise.
-PARAM_PARTITION_RULES: dict[str, P | str] = {
+# missing here is replicated, and so is a parameter whose split axis tp does not divide:
+# k_proj / v_proj when tp exceeds the KV heads (check_tensor_parallel allows only that).
+PARAM_PARTITION_RULES: dict[str, P] = {
     "q_proj": P(None, TP_AXIS, None),  # [D, N, H]
-    "k_proj": "kv",  # [D, K, H]
-    "v_proj": "kv",  # [D, K, H]
+    "k_proj": P(None, TP_AXIS, None),  # [D, K, H]
+    "v_proj": P(None, TP_AXIS, None),  # [D, K, H]
     "o_proj": P(TP_AXIS, None, None),  # [N, H, D]
     "gate_proj": P(None, TP_AXIS),  # [D, F]
     "up_proj": P(None, TP_AXIS),  # [D, F]
@@ -127,12 +127,17 @@ def init_sharded_kv_caches(specs, num_blocks: int, block_size: int, mesh: Mesh) 
     return [allocate[spec]() for spec in specs]
 
 
-def param_partition_spec(name: str, shape: tuple[int, ...], *, kv_heads_split: bool) -> P:
-    """How the parameter called `name` (last key of its state path) is split; P() replicates."""
+def param_partition_spec(name: str, shape: tuple[int, ...], tensor_parallel_size: int) -> P:
+    """How the parameter called `name` (last key of its state path) is split; P() replicates.
+
+    A split axis that tensor_parallel_size does not divide is replicated instead: the K/V
+    projections past the KV-head count, a vocabulary of 49152 at tp=5. Correctness never
+    depends on it (the attention's shard_map slices whatever it gets); memory does.
+    """
     rule = PARAM_PARTITION_RULES.get(name, P())
-    if rule == "kv":
-        rule = P(None, TP_AXIS, None) if kv_heads_split else P()
     assert len(rule) <= len(shape), f"rule {rule} of parameter {name} does not fit its shape {shape}"
+    if any(axis == TP_AXIS and dim % tensor_parallel_size for axis, dim in zip(rule, shape)):
+        return P()
     return rule
 
 
@@ -141,17 +146,29 @@ def _name_of(path) -> str:
     return str(keys[-1]) if keys else ""
 
 
-def param_shardings(state, mesh, *, kv_heads_split: bool):
+def param_shardings(state, mesh):
     """NamedSharding of every parameter of a model state (arrays or ShapeDtypeStructs), by
     name; `mesh` may be an AbstractMesh (lowering without the devices)."""
+    tp = mesh.shape[TP_AXIS]
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_partition_spec(_name_of(path), x.shape,
-                                                                 kv_heads_split=kv_heads_split)), state)
+        lambda path, x: NamedSharding(mesh, param_partition_spec(_name_of(path), x.shape, tp)), state)
 
 
-def shard_params(state, mesh: Mesh, *, kv_heads_split: bool):
+def shard_params(state, mesh: Mesh):
     """The model state (an nnx.State or any pytree of arrays) placed on the mesh by name."""
-    return jax.device_put(state, param_shardings(state, mesh, kv_heads_split=kv_heads_split))
+    return jax.device_put(state, param_shardings(state, mesh))
+
+
+def param_placer(mesh: Mesh):
+    """place(name, host array) -> the array on the mesh, split by name (models/loader.py calls
+    it per tensor as it reads a checkpoint, so no device ever holds the whole model)."""
+    tp = mesh.shape[TP_AXIS]
+
+    def place(name: str, value: np.ndarray):
+        sharding = NamedSharding(mesh, param_partition_spec(name, value.shape, tp))
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    return place
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

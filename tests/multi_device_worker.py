@@ -13,13 +13,17 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
+import shutil  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
+from importlib import resources  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from models.loader import save_hf_checkpoint  # noqa: E402
 from paged_jax import LLM, SamplingParams  # noqa: E402
 from paged_jax.sharding import TP_AXIS  # noqa: E402
 
@@ -69,8 +73,8 @@ def dense_greedy(model, prompts, max_tokens):
     return outs
 
 
-def run(prompts, **engine_args):
-    llm = LLM("tiny", **ENGINE, **engine_args)
+def run(prompts, model="tiny", **engine_args):
+    llm = LLM(model, **ENGINE, **engine_args)
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS[: len(prompts)]]
     outs = llm.generate(prompts, params, use_tqdm=False)
     return llm, [o.token_ids for o in outs]
@@ -112,6 +116,14 @@ def main():
         for tp in (2, 4):
             llm, result[f"tp{tp}"] = run(prompts, num_blocks=SMALL_POOL, tensor_parallel_size=tp)
             result[f"tp{tp}_shardings"] = sharding_report(llm)
+        # A checkpoint directory: its tensors go to their devices, split, as they are read.
+        with tempfile.TemporaryDirectory() as path:
+            save_hf_checkpoint(llm1.engine.model, path)
+            shutil.copy(resources.files("paged_jax.core").joinpath("assets", "tokenizer.json"), path)
+            llm, result["hf_tp2"] = run(prompts, path, num_blocks=SMALL_POOL, tensor_parallel_size=2)
+            attn = llm.engine.model.layers[0].self_attn
+            result["hf_tp2_loaded"] = {"q_proj": str(attn.q_proj[...].sharding.spec),
+                                       "embed_tokens": str(llm.engine.model.embed_tokens[...].sharding.spec)}
         # The Pallas kernel per shard (interpret mode), KV heads replicated (tp 4 > 2 KV heads).
         llm, result["tp4_pallas"] = run(prompts[:4], num_blocks=SMALL_POOL, tensor_parallel_size=4,
                                         attention_impl="pallas", interpret=True)

@@ -72,7 +72,7 @@ def test_sharded_layer_lowers_for_cuda(tp):
     spec = sharded_cache_spec(FullAttentionSpec(config.num_kv_heads, config.head_dim, "bfloat16"), tp)
     attention = ShardedAttention(make_attention_backend(spec, "pallas"), mesh, replicas)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                          param_shardings(state, mesh, kv_heads_split=replicas == 1))
+                          param_shardings(state, mesh))
 
     def arg(shape, dtype, spec=P()):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))

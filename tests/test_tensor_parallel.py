@@ -44,6 +44,7 @@ def test_tp_greedy_outputs_equal_dense_reference(multi_device):
     assert r["tp2"] == r["tp1"]
     assert r["tp4"] == r["tp1"], "tp=4 > 2 KV heads (replicated KV heads) changed the outputs"
     assert r["tp4_pallas"] == r["tp1"][:4], "the Pallas kernel per shard changed the outputs"
+    assert r["hf_tp2"] == r["tp1"], "the same weights loaded from a checkpoint directory at tp=2 differ"
     # The batch exercised what it claims to: preemption and prefix-cache hits, at every tp.
     for key in ("tp2_shardings", "tp4_shardings"):
         assert r[key]["stats"]["num_preemptions"] == r["tp1_stats"]["num_preemptions"] > 0
@@ -73,6 +74,9 @@ def test_tp_weights_and_caches_carry_declared_shardings(multi_device):
     assert tp4["k_proj"] == "P()" and tp4["stats"]["kv_head_replicas"] == 2
     assert tp4["k_cache_shape"][2] == 4
     assert tp4["stats"]["kv_cache_bytes_per_device"] == tp2["stats"]["kv_cache_bytes_per_device"]
+    # A checkpoint's tensors were placed split as the loader read them (the model holds no
+    # single-device copy).
+    assert multi_device["hf_tp2_loaded"] == {"q_proj": "P(None, 'tp', None)", "embed_tokens": "P('tp', None)"}
 
 
 @pytest.mark.slow
@@ -129,8 +133,11 @@ def test_pool_is_sized_per_device():
 
 
 def test_param_rules_by_name():
-    assert param_partition_spec("q_proj", (64, 4, 16), kv_heads_split=True) == P(None, TP_AXIS, None)
-    assert param_partition_spec("k_proj", (64, 2, 16), kv_heads_split=True) == P(None, TP_AXIS, None)
-    assert param_partition_spec("k_proj", (64, 2, 16), kv_heads_split=False) == P()
-    assert param_partition_spec("down_proj", (128, 64), kv_heads_split=True) == P(TP_AXIS, None)
-    assert param_partition_spec("weight", (64,), kv_heads_split=True) == P()  # norms: replicated
+    assert param_partition_spec("q_proj", (64, 4, 16), 2) == P(None, TP_AXIS, None)
+    assert param_partition_spec("k_proj", (64, 2, 16), 2) == P(None, TP_AXIS, None)
+    assert param_partition_spec("k_proj", (64, 2, 16), 4) == P()
+    assert param_partition_spec("down_proj", (128, 64), 2) == P(TP_AXIS, None)
+    assert param_partition_spec("weight", (64,), 1) == P()  # norms: replicated
+    assert param_partition_spec("embed_tokens", (512, 64), 4) == P(TP_AXIS, None)
+    # A vocabulary tp does not divide stays whole.
+    assert param_partition_spec("lm_head", (510, 64), 4) == P()
