@@ -282,6 +282,11 @@ def chat(args, params, console: Console) -> int:
 def serve(args, console: Console) -> int:
     from paged_jax.server import make_server
 
+    if args.data_parallel_size > 1 or args.coordinator_address:
+        # The HTTP side feeds one engine in one process; replicas and multi-process engines
+        # would need every process to see every request (paged_jax/multiprocess.py).
+        raise ValueError("serve runs one engine in one process: use --tensor-parallel-size for several devices, "
+                         "without --data-parallel-size or --coordinator-address")
     chat_template = _read_chat_template(args)
     with _progress(console) as progress:
         llm = _make_llm(args, progress)  # --warm-up full by default: /health answers once all are compiled

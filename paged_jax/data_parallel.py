@@ -38,16 +38,17 @@ class DataParallelEngine:
       config: an EngineConfig; every replica gets it with data_parallel_size=1 and one
         shared hash_seed (a random one if it has none).
       warm_up_progress: as LLMEngine's, reported by the first replica.
+      devices: the devices to split into replicas (default jax.devices()).
     """
 
-    def __init__(self, config, *, warm_up_progress=None):
+    def __init__(self, config, *, warm_up_progress=None, devices=None):
         from paged_jax.engine import LLMEngine  # engine.py builds this class from LLM
 
         dp, tp = config.data_parallel_size, config.tensor_parallel_size
         if jax.process_count() > 1:
             raise ValueError(f"data_parallel_size={dp} runs replicas in one process; across processes use "
                              "tensor_parallel_size (one engine over every host's devices)")
-        devices = jax.devices()
+        devices = list(jax.devices() if devices is None else devices)
         if dp * tp > len(devices):
             raise ValueError(f"data_parallel_size={dp} x tensor_parallel_size={tp} needs {dp * tp} devices; jax sees "
                              f"{len(devices)} ({jax.default_backend()})")

