@@ -188,8 +188,8 @@ class ModelRunner:
         self._error: BaseException | None = None
         k = self.layers_per_program
         # Shapes only: the warm-up thread must not read the live caches the steps donate.
-        self._abstract_caches = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._sharding(a)),
-                                             self.kv_caches[:k])
+        self._abstract_caches = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._sharding(a)), self.kv_caches[:k])
 
     def _sharding(self, a):
         """The sharding a program argument is compiled for: its own (placed arrays), replicated
