@@ -158,6 +158,27 @@ def _read_chat_template(args) -> str | None:
                          "Jinja file") from error
 
 
+def _engine_args(args) -> dict:
+    """The EngineConfig fields the shared engine flags set."""
+    return dict(dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
+                attention_impl=args.attention_impl, warm_up=args.warm_up,
+                compile_cache_dir=None if args.no_compile_cache else args.compile_cache_dir,
+                layers_per_program=args.layers_per_program, tensor_parallel_size=args.tensor_parallel_size,
+                data_parallel_size=args.data_parallel_size)
+
+
+def _compile_progress(args, progress: Progress):
+    """A progress task for loading and compiling, and the callable(done, total) that advances it."""
+    task = progress.add_task(f"loading {args.model}, compiling the first bucket", total=None)
+
+    def compiled(done: int, total: int) -> None:
+        progress.update(task, description="compiling buckets", completed=done, total=total)
+
+    return compiled
+
+
 def _make_llm(args, progress: Progress):
     """The LLM of the engine flags, its bucket compilation shown on `progress`."""
     from paged_jax import LLM  # jax loads here, after argument errors are out of the way
@@ -166,18 +187,7 @@ def _make_llm(args, progress: Progress):
         from paged_jax.multiprocess import initialize
 
         initialize(args.coordinator_address, args.num_processes, args.process_id)
-    task = progress.add_task(f"loading {args.model}, compiling the first bucket", total=None)
-
-    def compiled(done: int, total: int) -> None:
-        progress.update(task, description="compiling buckets", completed=done, total=total)
-
-    return LLM(args.model, dtype=args.dtype, block_size=args.block_size, num_blocks=args.num_blocks,
-               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens,
-               enable_prefix_caching=not args.no_prefix_caching, attention_impl=args.attention_impl,
-               warm_up=args.warm_up, compile_cache_dir=None if args.no_compile_cache else args.compile_cache_dir,
-               layers_per_program=args.layers_per_program, tensor_parallel_size=args.tensor_parallel_size,
-               data_parallel_size=args.data_parallel_size, warm_up_progress=compiled)
+    return LLM(args.model, warm_up_progress=_compile_progress(args, progress), **_engine_args(args))
 
 
 def _progress(console: Console, show: bool = True) -> Progress:
@@ -280,6 +290,7 @@ def chat(args, params, console: Console) -> int:
 
 
 def serve(args, console: Console) -> int:
+    from paged_jax.engine import EngineConfig
     from paged_jax.server import make_server
 
     if args.data_parallel_size > 1 or args.coordinator_address:
@@ -288,13 +299,14 @@ def serve(args, console: Console) -> int:
         raise ValueError("serve runs one engine in one process: use --tensor-parallel-size for several devices, "
                          "without --data-parallel-size or --coordinator-address")
     chat_template = _read_chat_template(args)
+    config = EngineConfig(args.model, **_engine_args(args))  # --warm-up full by default: /health once all compiled
     with _progress(console) as progress:
-        llm = _make_llm(args, progress)  # --warm-up full by default: /health answers once all are compiled
-    server = make_server(llm, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
-                         api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                         chat_template=chat_template)
+        # The engine runs in a process of its own (server/engine_core.py); this returns once it is warm.
+        server = make_server(config, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
+                             api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
+                             chat_template=chat_template, progress=_compile_progress(args, progress))
     console.print(f"paged-jax: serving {args.served_model_name or args.model} at http://{args.host}:{args.port}/v1 "
-                  f"(warm: {llm.stats()['num_compilations']} buckets compiled)", highlight=False)
+                  f"(warm: {server.engine.stats['num_compilations']} buckets compiled)", highlight=False)
     server.run()
     return 0
 

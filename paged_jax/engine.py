@@ -181,6 +181,27 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+def chat_prompt(tokenizer: Tokenizer, eos_token_ids, messages, *, add_generation_prompt: bool = True,
+                chat_template: str | None = None,
+                sampling_params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
+    """A conversation as prompt ids (rendered with the chat template, no BOS added twice)
+    and the sampling params that also stop at the template's end-of-turn token.
+
+    Needs only the tokenizer and the engine's EOS ids, so a server process without the
+    engine (server/engine_core.py) renders prompts the same way. Raises ValueError naming the
+    problem (no template, a bad message, a template error).
+    """
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template)
+    params = sampling_params or SamplingParams()
+    end_of_turn = tokenizer.end_of_turn_token_id(chat_template)
+    stops = (*eos_token_ids, *params.stop_token_ids)
+    if end_of_turn is not None and end_of_turn not in stops and not params.ignore_eos:
+        # The reply ends with the turn even where the template's end differs from EOS.
+        params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, end_of_turn))
+    return tokenizer.encode(text, add_special_tokens=False), params
+
+
 class LLMEngine:
     """Continuous batching over a paged KV cache: add_request, step, abort_request."""
 
@@ -275,20 +296,15 @@ class LLMEngine:
 
     def chat_prompt(self, messages, *, add_generation_prompt: bool = True, chat_template: str | None = None,
                     sampling_params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
-        """A conversation as prompt ids (rendered with the chat template, no BOS added twice)
-        and the sampling params that also stop at the template's end-of-turn token.
+        """A conversation as prompt ids and the sampling params that also stop at the
+        template's end-of-turn token (see chat_prompt)."""
+        return chat_prompt(self.tokenizer, self.eos_token_ids, messages, add_generation_prompt=add_generation_prompt,
+                           chat_template=chat_template, sampling_params=sampling_params)
 
-        Raises ValueError naming the problem (no template, a bad message, a template error).
-        """
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                  chat_template=chat_template)
-        params = sampling_params or SamplingParams()
-        end_of_turn = self.tokenizer.end_of_turn_token_id(chat_template)
-        stops = (self._eos_token_id, *self._extra_eos_ids, *params.stop_token_ids)
-        if end_of_turn is not None and end_of_turn not in stops and not params.ignore_eos:
-            # The reply ends with the turn even where the template's end differs from EOS.
-            params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, end_of_turn))
-        return self.tokenizer.encode(text, add_special_tokens=False), params
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids generation stops at (the tokenizer's, else the model config's)."""
+        return () if self._eos_token_id is None else (self._eos_token_id, *self._extra_eos_ids)
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request and frees its blocks; False if it is unknown or already done."""

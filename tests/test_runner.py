@@ -25,7 +25,7 @@ from models.llama import LlamaConfig, LlamaForCausalLM
 from paged_jax import SamplingParams
 from paged_jax.engine import EngineConfig, LLMEngine
 from paged_jax.core.config import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, CacheConfig, SchedulerConfig
-from paged_jax.runner import ModelRunner, num_blocks_for_budget
+from paged_jax.runner import ModelRunner, num_blocks_for_budget, pack_step_inputs, unpack_step_inputs
 from paged_jax.runner import _default_layers_per_program as layers_per_program
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -279,3 +279,17 @@ def test_grouped_layer_programs_match_the_model(num_layers, per_program):
 def test_layers_per_program_must_divide_the_layers():
     with pytest.raises(ValueError, match="layers_per_program=3 must divide the model's 2 layers"):
         ModelRunner(model(), CacheConfig(BLOCK_SIZE, 9, 64), SchedulerConfig(8, 16, 64), layers_per_program=3)
+
+
+def test_packed_step_inputs_round_trip_bit_for_bit():
+    """The one-copy packing keeps every field's bits (f32 and u32 fields are bitcast, not cast)."""
+    runner = get_engine("big").runner
+    inputs = runner.dummy_inputs(16, 8)
+    rng = np.random.default_rng(0)
+    inputs = jax.tree.map(lambda a: rng.integers(-2**31, 2**31 - 1, a.shape, np.int64).astype(np.int32).view(a.dtype),
+                          inputs)
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
+    out = jax.jit(lambda packed: unpack_step_inputs(packed, like))(pack_step_inputs(inputs))
+    for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(inputs), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got).view(np.int32), want.view(np.int32))

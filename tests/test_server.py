@@ -11,7 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -73,6 +77,14 @@ def http(url, body: bytes | None = None, headers=None) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
+
+
+def http_status(url) -> int | None:
+    """The status of a GET, or None while nothing listens."""
+    try:
+        return http(url)[0]
+    except OSError:
+        return None
 
 
 def client(url, **kw):
@@ -266,3 +278,73 @@ def test_queue_bound_gives_503_and_api_key_is_checked():
         for s in (long, *waiting):
             s.close()
         wait_idle(engine, url)
+
+
+def _engine_processes(pid: int) -> list[int]:
+    """The processes `pid` spawned with multiprocessing (Linux /proc; its resource tracker aside)."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(c) for c in f.read().split()]
+    spawned = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                spawned.append(child)
+    return spawned
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the engine process through /proc")
+def test_serve_runs_the_engine_in_its_own_process():
+    """`python -m paged_jax serve` as users run it: the engine process gives LLM.generate's
+    tokens, a hung-up stream frees its blocks, and when the engine process dies the open
+    stream ends with an error, new requests get 503 and /health turns 503 (nothing hangs)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "paged_jax", "serve", "--model", "tiny", "--port", str(port),
+                               "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
+                               "--max-num-batched-tokens", "64"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 300
+        while http_status(f"{url}/health") != 200:
+            assert server.poll() is None and time.time() < deadline, f"serve did not start:\n{server.stdout.read()}"
+            time.sleep(0.5)
+        (engine_pid,) = _engine_processes(server.pid)
+        c = client(url)
+        for prompt, sampling in CASES:
+            ref = big_llm().generate([prompt], SamplingParams(ignore_eos=True, **sampling), use_tqdm=False)[0]
+            chunks = c.completions.create(model=MODEL, prompt=prompt, stream=True,
+                                          extra_body={"return_token_ids": True, "ignore_eos": True}, **sampling)
+            ids = [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]]
+            assert ids == ref.token_ids, f"{prompt!r}: the engine process's tokens differ from LLM.generate"
+        hung_up = c.completions.create(model=MODEL, prompt="hang up", max_tokens=200, stream=True,
+                                       extra_body={"ignore_eos": True})
+        next(iter(hung_up))
+        hung_up.close()
+        wait_idle(None, url)  # aborted in the engine process, its blocks freed
+
+        running = c.completions.create(model=MODEL, prompt="a long one", max_tokens=200, stream=True,
+                                       extra_body={"ignore_eos": True})
+        next(iter(running))
+        os.kill(engine_pid, signal.SIGKILL)
+        killed = time.time()
+        with pytest.raises(openai.APIError) as failed:
+            for _ in running:
+                pass
+        # The server ended the stream with an error of its own, not the client's timeout.
+        assert not isinstance(failed.value, openai.APITimeoutError) and time.time() - killed < 30
+        with pytest.raises(openai.APIStatusError) as refused:
+            c.completions.create(model=MODEL, prompt="after", max_tokens=2)
+        assert refused.value.status_code == 503
+        assert http_status(f"{url}/health") == 503
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait(30)

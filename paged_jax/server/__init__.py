@@ -1,44 +1,63 @@
 """The OpenAI-compatible server: `python -m paged_jax serve` (FastAPI + uvicorn).
 
-make_server(llm, ...) wires an LLM's engine to the HTTP app: the AsyncEngine steps the engine
-on its own thread, app.py turns requests into engine requests and streams their tokens back,
+make_server(llm_or_config, ...) wires an engine to the HTTP app: the engine loop runs on a
+thread of this process for an LLM / LLMEngine object, or in a process of its own for an
+EngineConfig (engine_core.py; what `serve` does); AsyncEngine (engine_loop.py) streams its
+tokens to the requests, app.py turns requests into engine requests and tokens into text,
 metrics.py keeps the Prometheus metrics.
 """
 
 from __future__ import annotations
 
+import functools
 import socket
 
 import uvicorn
 
 from paged_jax.server.app import build_app
-from paged_jax.server.engine_loop import AsyncEngine
+from paged_jax.server.engine_loop import AsyncEngine, ThreadCore
 from paged_jax.server.metrics import ServerMetrics
 
 
 class PagedJaxServer:
-    """A uvicorn server over an LLM; run() blocks until stop() (or a signal in the main thread).
+    """A uvicorn server over an engine; run() blocks until stop() (or a signal in the main thread).
 
+    Args:
+      llm: an LLM or LLMEngine (its loop runs on a thread here), or an EngineConfig (the
+        engine is built and run in a process of its own; construction returns once it is
+        ready, `progress(done, total)` following its bucket compilation).
     Attributes:
       app: the FastAPI app; engine: the AsyncEngine; metrics: the ServerMetrics.
     """
 
     def __init__(self, llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "tiny",
                  api_key: str | None = None, max_waiting_requests: int = 256, chat_template: str | None = None,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", progress=None):
+        from paged_jax.engine import EngineConfig, chat_prompt
+
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 0")
-        engine = getattr(llm, "engine", llm)  # an LLM or an LLMEngine
+        if isinstance(llm, EngineConfig):
+            from models.registry import load_tokenizer
+            from paged_jax.server.engine_core import ProcessCore
+
+            tokenizer = load_tokenizer(llm.model)  # before the engine process: a bad path fails fast
+            core = ProcessCore(llm, progress=progress)
+            max_model_len, eos_token_ids = core.max_model_len, core.eos_token_ids
+        else:
+            engine = getattr(llm, "engine", llm)  # an LLM or an LLMEngine
+            core = ThreadCore(engine)
+            tokenizer, max_model_len, eos_token_ids = engine.tokenizer, engine.cache_config.max_model_len, \
+                engine.eos_token_ids
         self.metrics = ServerMetrics(model_name)
-        self.engine = AsyncEngine(engine, max_waiting_requests=max_waiting_requests, metrics=self.metrics)
+        self.engine = AsyncEngine(core, max_waiting_requests=max_waiting_requests, metrics=self.metrics)
+        render = functools.partial(chat_prompt, tokenizer, eos_token_ids, chat_template=chat_template)
 
-        def chat_prompt(messages, add_generation_prompt, params):
-            return engine.chat_prompt(messages, add_generation_prompt=add_generation_prompt,
-                                      chat_template=chat_template, sampling_params=params)
+        def chat(messages, add_generation_prompt, params):
+            return render(messages, add_generation_prompt=add_generation_prompt, sampling_params=params)
 
-        self.app = build_app(self.engine, engine.tokenizer, model_name=model_name,
-                             max_model_len=engine.cache_config.max_model_len, chat_prompt=chat_prompt,
-                             api_key=api_key, metrics=self.metrics)
+        self.app = build_app(self.engine, tokenizer, model_name=model_name, max_model_len=max_model_len,
+                             chat_prompt=chat, api_key=api_key, metrics=self.metrics)
         self.host, self.port = host, port
         self._server = uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
                                                      lifespan="off"))
@@ -48,7 +67,7 @@ class PagedJaxServer:
         return self._server.started
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serves until stop(); the engine thread runs exactly as long."""
+        """Serves until stop(); the engine runs exactly as long."""
         self.engine.start()
         try:
             self._server.run(sockets=sockets)

@@ -84,6 +84,28 @@ class _AbortingStream(StreamingResponse):
             self._on_close()
 
 
+class _ApiKeyMiddleware:
+    """401 on /v1 routes without 'Authorization: Bearer <api_key>'.
+
+    A plain ASGI middleware: Starlette's @app.middleware("http") (BaseHTTPMiddleware) relays
+    every chunk of a streamed response through a task and a memory stream of its own, a
+    cost paid per token per request.
+    """
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            if dict(scope["headers"]).get(b"authorization", b"") != self._expected:
+                response = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                          "authentication_error")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}},
                         status_code=status)
@@ -117,17 +139,12 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, max
     async def _request_error(request: Request, exc: RequestError):
         return error_response(exc.status, str(exc), exc.kind, exc.param)
 
-    @app.middleware("http")
-    async def _check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                      "authentication_error")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.is_alive() else 503)
 
     @app.get("/metrics")
     async def prometheus_metrics():

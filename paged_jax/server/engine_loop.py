@@ -1,15 +1,24 @@
-"""AsyncEngine: the LLMEngine stepping on one background thread, requests streamed to asyncio.
+"""The engine behind the server: one loop owns the LLMEngine, asyncio code streams from it.
 
-The engine is not thread-safe and its step blocks (a jitted call), so exactly one thread
-owns it. HTTP handlers talk to that thread through an inbox (add / abort), and each request
-gets its deltas back on its own asyncio.Queue (loop.call_soon_threadsafe). The thread
-drains the inbox between steps, so an abort frees the request's blocks before the next
-step, and sleeps when there is nothing to run.
+Two parts, as in vLLM V1 (API server + EngineCore):
+- EngineLoop owns the LLMEngine (not thread-safe; its step blocks in a jitted call). It
+  takes commands (add, abort) from an inbox between steps, so an abort frees the request's
+  blocks before the next step, and after each round hands one Report (requests accepted
+  or rejected, each request's new tokens, the engine's stats) to a callback. It sleeps
+  when there is nothing to run.
+- AsyncEngine is the asyncio side: add_request returns the request's delta iterator, and
+  each Report is fanned out to the requests' asyncio queues with one event-loop wake-up
+  per report, not one per request.
+
+Between them sits a core (where the loop runs): ThreadCore runs it on a thread of this
+process (an LLM object handed to the server); ProcessCore (engine_core.py) runs it in a
+process of its own, so the engine's Python work and the HTTP work stop taking turns on one
+interpreter lock.
 
 No request is lost or answered twice: every added request ends with exactly one final
 delta (finished, aborted or failed), and the HTTP layer aborts a request whose response
 ended early (a client that disconnected, a stop string); an abort of a finished request is
-a no-op.
+a no-op. If the core itself ends (the engine process died), the open requests fail.
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import NamedTuple
 
 from paged_jax.core.request import SamplingParams
 
@@ -36,60 +46,189 @@ class Delta:
     num_cached_tokens: int
     error: str | None = None  # the engine failed this request (the server keeps serving)
 
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+class Report(NamedTuple):
+    """One round of the engine loop: the adds it applied, then one step's deltas."""
+
+    accepted: tuple[str, ...]  # request ids now in the engine
+    rejected: tuple[tuple[str, str], ...]  # (request id, the engine's ValueError message)
+    deltas: tuple[tuple[str, Delta], ...]  # new tokens per request; a final delta ends it
+    stats: dict  # LLMEngine.get_stats() after the round
+
 
 class QueueFullError(Exception):
-    """More requests are waiting than the server accepts (HTTP 503)."""
+    """More requests are waiting than the server accepts, or no engine runs (HTTP 503)."""
+
+
+class EngineLoop:
+    """Runs an LLMEngine: commands in (submit, from any thread), Reports out (the report
+    callback, called on the loop's own thread).
+
+    Commands: ("add", request_id, prompt, SamplingParams) and ("abort", request_id).
+    """
+
+    def __init__(self, engine, report: Callable[[Report], None]):
+        self.engine = engine
+        self._report = report
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._num_sent: dict[str, int] = {}  # tokens reported so far, per live request
+
+    def submit(self, command: tuple) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def run(self) -> None:
+        """Until stop(): apply commands, step, report. A failing step fails what runs and the
+        loop goes on serving."""
+        engine = self.engine
+        while not self._stop.is_set():
+            accepted, rejected, deltas = self._drain_inbox()
+            if accepted or rejected or deltas:
+                self._report(Report(tuple(accepted), tuple(rejected), tuple(deltas), engine.get_stats()))
+            if not engine.has_unfinished_requests():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as error:  # a bug or a device failure: fail what runs, keep serving
+                deltas = self._fail_all(f"engine step failed: {type(error).__name__}: {error}")
+            else:
+                deltas = [self._delta(output) for output in outputs if output.request_id in self._num_sent]
+            self._report(Report((), (), tuple(deltas), engine.get_stats()))
+        deltas = self._fail_all("the server is shutting down")
+        if deltas:
+            self._report(Report((), (), tuple(deltas), engine.get_stats()))
+
+    def _drain_inbox(self):
+        accepted, rejected, deltas = [], [], []
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return accepted, rejected, deltas
+            if command[0] == "add":
+                _, request_id, prompt, params = command
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except ValueError as error:
+                    rejected.append((request_id, str(error)))
+                    continue
+                self._num_sent[request_id] = 0
+                accepted.append(request_id)
+            elif self._num_sent.pop(command[1], None) is not None and self.engine.abort_request(command[1]):
+                deltas.append((command[1], Delta((), None, "abort", 0, 0)))
+
+    def _delta(self, output) -> tuple[str, Delta]:
+        completion = output.outputs[0]
+        sent = self._num_sent[output.request_id]
+        new_logprobs = None if completion.logprobs is None else tuple(completion.logprobs[sent:])
+        delta = Delta(tuple(completion.token_ids[sent:]), new_logprobs, completion.finish_reason,
+                      len(output.prompt_token_ids), output.metrics.num_cached_tokens)
+        if output.finished:
+            del self._num_sent[output.request_id]
+        else:
+            self._num_sent[output.request_id] = len(completion.token_ids)
+        return output.request_id, delta
+
+    def _fail_all(self, message: str) -> list[tuple[str, Delta]]:
+        deltas = []
+        for request_id in list(self._num_sent):
+            self.engine.abort_request(request_id)
+            deltas.append((request_id, Delta((), None, None, 0, 0, error=message)))
+        self._num_sent.clear()
+        return deltas
+
+
+class ThreadCore:
+    """The EngineLoop on a thread of this process (for an LLM or LLMEngine object)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.stats: dict = engine.get_stats()
+        self._loop: EngineLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, report: Callable[[Report], None], on_exit: Callable[[], None]) -> None:
+        """Starts the loop's thread; on_exit runs when it ends, however it ends."""
+        self._loop = EngineLoop(self.engine, report)
+
+        def run() -> None:
+            try:
+                self._loop.run()
+            finally:
+                on_exit()
+
+        self._thread = threading.Thread(target=run, name="paged-jax-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, command: tuple) -> None:
+        self._loop.submit(command)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        if self._loop is not None:
+            self._loop.stop()
+            self._thread.join(timeout)
 
 
 class _Stream:
-    __slots__ = ("loop", "queue", "num_sent", "arrival", "last_token_time")
+    __slots__ = ("loop", "queue", "added", "arrival", "num_sent", "last_token_time")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, arrival: float):
         self.loop = loop
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self.num_sent = 0
+        self.added: concurrent.futures.Future = concurrent.futures.Future()
         self.arrival = arrival
+        self.num_sent = 0
         self.last_token_time: float | None = None
 
 
-
 class AsyncEngine:
-    """Serves an LLMEngine to asyncio code.
+    """Serves an engine core to asyncio code.
 
     Args:
-      engine: the LLMEngine, owned by this object's thread from start() on.
+      core: a ThreadCore or a ProcessCore (start, submit, is_alive, shutdown, stats).
       max_waiting_requests: requests queued beyond the running ones before new ones get
         QueueFullError (HTTP 503) instead of unbounded memory.
       metrics: optional object with on_step(stats), on_tokens(num_tokens, seconds, first) and
         on_finished(reason, num_tokens) (server/metrics.py).
     """
 
-    def __init__(self, engine, *, max_waiting_requests: int = 256, metrics=None):
-        self.engine = engine
+    def __init__(self, core, *, max_waiting_requests: int = 256, metrics=None):
+        self.core = core
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}  # the engine thread's only
-        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # this step's deltas, per loop
-        self._num_pending = 0  # added and not finished; guarded by _lock
+        self.stats: dict = core.stats
+        self._streams: dict[str, _Stream] = {}  # added and not finished; guarded by _lock
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="paged-jax-engine", daemon=True)
-        self.stats: dict = engine.get_stats()
 
     # lifecycle
     def start(self) -> None:
-        self._thread.start()
+        self.core.start(self._on_report, lambda: self._fail_all("the engine stopped"))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout)
+        self.core.shutdown(timeout)
+        self._fail_all("the server is shutting down")  # what the core could not report any more
+
+    def is_alive(self) -> bool:
+        return self.core.is_alive()
 
     @property
     def num_unfinished(self) -> int:
-        return self._num_pending
+        return len(self._streams)
 
     # the handlers' side
     async def add_request(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[Delta]:
@@ -100,22 +239,22 @@ class AsyncEngine:
         early does not abort the request: call abort() (the HTTP layer does when its
         response ends).
         """
+        stream = _Stream(asyncio.get_running_loop(), time.perf_counter())
         with self._lock:
-            # Added and unfinished, minus those in the running batch (len() of the engine
-            # thread's list is an atomic read): the requests that wait, queued or in the inbox.
-            num_waiting = self._num_pending - len(self.engine.scheduler.running)
+            if not self.core.is_alive():
+                raise QueueFullError("the engine is not running")
+            # Added and unfinished, minus the running batch of the last report: the requests
+            # that wait, queued in the engine or still on their way to it.
+            num_waiting = len(self._streams) - self.stats.get("num_running_reqs", 0)
             if num_waiting >= self.max_waiting_requests:
                 raise QueueFullError(f"{num_waiting} requests are already waiting "
                                      f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
-            self._num_pending += 1
-        stream = _Stream(asyncio.get_running_loop(), time.perf_counter())
-        added: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("add", request_id, prompt, params, stream, added))
-        self._wake.set()
+            self._streams[request_id] = stream
+        self.core.submit(("add", request_id, prompt, params))
         try:
-            await asyncio.wrap_future(added)  # ValueError from add_request surfaces here
+            await asyncio.wrap_future(stream.added)  # ValueError from the engine's checks surfaces here
         except asyncio.CancelledError:
-            self.abort(request_id)  # queued after the add, so it finds the request if it was added
+            self.abort(request_id)  # submitted after the add, so it finds the request if it was added
             raise
         return self._deltas(stream)
 
@@ -126,114 +265,64 @@ class AsyncEngine:
             delta = await queue_.get()
             # Under load the HTTP side falls behind the engine: what has piled up goes out as
             # one delta (one SSE chunk), so the per-chunk cost is paid once per catch-up.
-            while not queue_.empty() and delta.finish_reason is None and delta.error is None:
+            while not queue_.empty() and not delta.final:
                 delta = _merge(delta, queue_.get_nowait())
             yield delta
-            if delta.finish_reason is not None or delta.error is not None:
+            if delta.final:
                 return
 
     def abort(self, request_id: str) -> None:
-        """Asks the engine thread to abort a request (a no-op if it already finished)."""
-        self._inbox.put(("abort", request_id))
-        self._wake.set()
+        """Asks the engine to abort a request (a no-op if it already finished)."""
+        self.core.submit(("abort", request_id))
 
-    # the engine thread
-    def _run(self) -> None:
-        engine = self.engine
-        while not self._stop.is_set():
-            if self._drain_inbox():
-                self._flush()
-                self._publish_stats()  # aborts free blocks without a step
-            if not engine.has_unfinished_requests():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
-                outputs = engine.step()
-            except Exception as error:  # a bug or a device failure: fail what runs, keep serving
-                self._fail_all(f"engine step failed: {type(error).__name__}: {error}")
-                self._flush()
-                continue
-            now = time.perf_counter()
-            for output in outputs:
-                self._deliver(output, now)
-            self._flush()
-            self._publish_stats()
-        self._fail_all("the server is shutting down")
-        self._flush()
-
-    def _put(self, stream: _Stream, delta: Delta) -> None:
-        self._outbox.setdefault(stream.loop, []).append((stream.queue, delta))
-
-    def _flush(self) -> None:
-        """Hands this step's deltas to their event loops: one wake-up per loop per step, not one
-        per request (each wake-up is a write to the loop's self-pipe)."""
-        for loop, items in self._outbox.items():
+    # the core's side (its loop thread, or the thread reading the engine process)
+    def _on_report(self, report: Report) -> None:
+        now = time.perf_counter()
+        outbox: dict[asyncio.AbstractEventLoop, list] = {}
+        with self._lock:
+            for request_id in report.accepted:
+                self._streams[request_id].added.set_result(None)
+            for request_id, message in report.rejected:
+                self._streams.pop(request_id).added.set_exception(ValueError(message))
+            for request_id, delta in report.deltas:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    self._account(stream, request_id, delta, now)
+                    outbox.setdefault(stream.loop, []).append((stream.queue, delta))
+            self.stats = report.stats
+        # One wake-up per event loop per report, not one per request (each is a write to
+        # the loop's self-pipe).
+        for loop, items in outbox.items():
             loop.call_soon_threadsafe(_put_all, items)
-        self._outbox = {}
-
-    def _publish_stats(self) -> None:
-        self.stats = self.engine.get_stats()
         if self.metrics is not None:
-            self.metrics.on_step(self.stats)
+            self.metrics.on_step(report.stats)
 
-    def _drain_inbox(self) -> bool:
-        """Applies queued adds and aborts; True if there were any."""
-        any_item = False
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return any_item
-            any_item = True
-            if item[0] == "add":
-                _, request_id, prompt, params, stream, added = item
-                try:
-                    self.engine.add_request(request_id, prompt, params)
-                except Exception as error:
-                    with self._lock:
-                        self._num_pending -= 1
-                    added.set_exception(error)
-                    continue
-                self._streams[request_id] = stream
-                added.set_result(None)
-            else:
-                stream = self._streams.pop(item[1], None)
-                if stream is not None and self.engine.abort_request(item[1]):
-                    self._finish(stream, item[1], Delta((), None, "abort", 0, 0))
-
-    def _deliver(self, output, now: float) -> None:
-        stream = self._streams.get(output.request_id)
-        if stream is None:
-            return
-        completion = output.outputs[0]
-        new_ids = tuple(completion.token_ids[stream.num_sent:])
-        new_logprobs = None if completion.logprobs is None else tuple(completion.logprobs[stream.num_sent:])
-        if new_ids:
+    def _account(self, stream: _Stream, request_id: str, delta: Delta, now: float) -> None:
+        """Metrics of one delta; a final one ends the request (called under _lock)."""
+        if delta.token_ids:
             if self.metrics is not None:
                 first = stream.last_token_time is None
-                self.metrics.on_tokens(len(new_ids), now - (stream.arrival if first else stream.last_token_time), first)
+                since = now - (stream.arrival if first else stream.last_token_time)
+                self.metrics.on_tokens(len(delta.token_ids), since, first)
             stream.last_token_time = now
-        stream.num_sent = len(completion.token_ids)
-        delta = Delta(new_ids, new_logprobs, completion.finish_reason, len(output.prompt_token_ids),
-                      output.metrics.num_cached_tokens)
-        if output.finished:
-            self._finish(stream, output.request_id, delta)
-        else:
-            self._put(stream, delta)
-
-    def _finish(self, stream: _Stream, request_id: str, delta: Delta) -> None:
-        self._streams.pop(request_id, None)
-        with self._lock:
-            self._num_pending -= 1
-        if self.metrics is not None:
-            self.metrics.on_finished(delta.finish_reason or "error", stream.num_sent)
-        self._put(stream, delta)
+            stream.num_sent += len(delta.token_ids)
+        if delta.final:
+            del self._streams[request_id]
+            if self.metrics is not None:
+                self.metrics.on_finished(delta.finish_reason or "error", stream.num_sent)
 
     def _fail_all(self, message: str) -> None:
-        for request_id, stream in list(self._streams.items()):
-            self.engine.abort_request(request_id)
-            self._finish(stream, request_id, Delta((), None, None, 0, 0, error=message))
+        """Ends every request still open (the core is gone): their handlers see the error."""
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            if not stream.added.done():
+                stream.added.set_exception(QueueFullError(message))
+                continue
+            try:
+                stream.loop.call_soon_threadsafe(_put_all, [(stream.queue, Delta((), None, None, 0, 0, error=message))])
+            except RuntimeError:  # its event loop has closed: nobody is listening
+                pass
 
 
 def _put_all(items) -> None:
