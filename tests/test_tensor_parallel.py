@@ -141,3 +141,13 @@ def test_param_rules_by_name():
     assert param_partition_spec("embed_tokens", (512, 64), 4) == P(TP_AXIS, None)
     # A vocabulary tp does not divide stays whole.
     assert param_partition_spec("lm_head", (510, 64), 4) == P()
+
+
+def test_parallel_sizes_need_the_devices():
+    """One CPU device here: a second replica or a second shard has nowhere to go."""
+    from paged_jax import LLM
+
+    with pytest.raises(ValueError, match="data_parallel_size=2 x tensor_parallel_size=1 needs 2 devices"):
+        LLM("tiny", data_parallel_size=2, warm_up="none", compile_cache_dir=None)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs that many devices"):
+        LLM("tiny", tensor_parallel_size=2, warm_up="none", compile_cache_dir=None)
