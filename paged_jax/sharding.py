@@ -231,6 +231,7 @@ class ShardedAttention:
             v = jnp.repeat(v, self.kv_head_replicas, axis=1)
         heads = P(None, TP_AXIS, None)
         leaves = cache_partition_specs(self.inner.spec)
+        # check_vma off: the Pallas call carries no varying-mesh-axis types for the checker.
         per_shard = jax.shard_map(functools.partial(self.inner, sm_scale=sm_scale), mesh=self.mesh,
                                   in_specs=(heads, heads, heads, leaves, P()), out_specs=(heads, leaves),
                                   check_vma=False)
