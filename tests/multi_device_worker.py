@@ -85,7 +85,12 @@ def sharding_report(llm):
     runner = engine.runner
     layer = runner.layer_params[0]
     k_cache = runner.kv_caches[0][0]
+    layer_memory = runner.compiled_memory(*sorted(runner._programs)[0])["layer"]
     return {
+        # The layer program's donated caches, per device: aliased, not copied.
+        "layer_alias_bytes": int(layer_memory.alias_size_in_bytes),
+        "layer_cache_bytes_per_device": sum(int(a.addressable_shards[0].data.nbytes) for a in runner.kv_caches[0]),
+        "layers_per_program": runner.layers_per_program,
         "mesh_devices": int(runner.mesh.shape[TP_AXIS]),
         "q_proj": str(layer["self_attn"]["q_proj"][...].sharding.spec),
         "k_proj": str(layer["self_attn"]["k_proj"][...].sharding.spec),

@@ -67,6 +67,10 @@ def test_tp_weights_and_caches_carry_declared_shardings(multi_device):
         assert report["k_cache_shard_shapes"] == [[blocks, block_size, heads // tp, head_dim]] * tp
         stats = report["stats"]
         assert stats["kv_cache_bytes_per_device"] * tp == stats["kv_cache_bytes"]
+        # Donation stays in place per shard: the layer program aliases each device's cache
+        # shards to its outputs (tests/test_runner.py bounds the temporaries on a big pool).
+        per_device = report["layer_cache_bytes_per_device"]
+        assert report["layer_alias_bytes"] == report["layers_per_program"] * per_device
         # q_proj is [64, 4, 16] f32: 16 KiB split evenly.
         assert report["q_proj_shard_bytes"] == [64 * 4 * 16 * 4 // tp] * tp
     # tp=2 splits the 2 KV heads; tp=4 holds each twice (one per device) and keeps k_proj whole.
