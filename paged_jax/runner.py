@@ -33,6 +33,7 @@ at most one set of programs per bucket_shapes() entry is ever compiled, which
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import threading
 import weakref
 
@@ -119,8 +120,9 @@ def unpack_step_inputs(packed, like: StepInputs) -> StepInputs:
     return jax.tree.unflatten(treedef, fields)
 
 
-# Runners whose warm-up thread may still run: at exit each one finishes the bucket it is
-# compiling and drops the rest, so the interpreter never stops mid-compilation.
+# Runners whose background threads (the pool's zeroing, the warm-up) may still run: at exit
+# each one finishes what is inside XLA and drops the buckets not started, so the
+# interpreter never stops under a running computation (which aborts the process).
 _WARMING_UP: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -188,18 +190,30 @@ class ModelRunner:
         self.layers_per_program = layers_per_program
         self.layer_params = [nnx.state(layer) for layer in model.layers]
         self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
-        if mesh is None:
-            self.kv_caches = init_kv_caches(specs, cache_config.num_blocks, cache_config.block_size)
-        else:
+        if mesh is not None:
             # New arrays on the mesh (no-ops for weights a loader already placed there); the
             # model object keeps its own, so data-parallel replicas can share one model.
             self.layer_params = [shard_params(params, mesh) for params in self.layer_params]
             self.head_params = shard_params(self.head_params, mesh)
-            self.kv_caches = init_sharded_kv_caches(specs, cache_config.num_blocks, cache_config.block_size, mesh)
-        self.kv_cache_bytes = sum(a.nbytes for a in jax.tree.leaves(self.kv_caches))
+        # jax zeroes a new buffer before it returns it (3 GB took 1.5-3.5 s on this CPU), so the
+        # pool is made on a thread of its own while the first bucket compiles or loads from
+        # the compilation cache; the first use of kv_caches waits for it.
+        self._kv_caches: list | None = None
+        self._kv_caches_ready = concurrent.futures.Future()
+        threading.Thread(target=self._init_kv_caches, name="paged-jax-kv-pool", daemon=True).start()
+        _WARMING_UP.add(self)
+        abstract_caches = jax.eval_shape(lambda: [spec.allocate(self.num_blocks, cache_config.block_size)
+                                                  for spec in specs])
+        if mesh is not None:  # each leaf as init_sharded_kv_caches places it
+            abstract_caches = [jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                            tuple(cache), cache_shardings(spec, mesh))
+                               for cache, spec in zip(abstract_caches, specs)]
+        self.kv_cache_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+                                  for a in jax.tree.leaves(abstract_caches))
         # What one device holds (all of it without a mesh).
-        self.kv_cache_bytes_per_device = sum(a.addressable_shards[0].data.nbytes
-                                             for a in jax.tree.leaves(self.kv_caches))
+        self.kv_cache_bytes_per_device = sum(
+            int(np.prod(a.sharding.shard_shape(a.shape) if a.sharding else a.shape)) * np.dtype(a.dtype).itemsize
+            for a in jax.tree.leaves(abstract_caches))
         self.num_compilations = 0  # bucket shapes compiled (each: a layer and a head program)
         self.num_steps = 0
         self._programs: dict[tuple[int, int], tuple] = {}  # (T, S) -> (embed, layer, head), all compiled
@@ -210,8 +224,29 @@ class ModelRunner:
         self._error: BaseException | None = None
         k = self.layers_per_program
         # Shapes only: the warm-up thread must not read the live caches the steps donate.
-        self._abstract_caches = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._sharding(a)), self.kv_caches[:k])
+        self._abstract_caches = abstract_caches[:k]
+
+    def _init_kv_caches(self) -> None:
+        try:
+            if self.mesh is None:
+                caches = init_kv_caches(self.kv_cache_specs, self.num_blocks, self.cache_config.block_size)
+            else:
+                caches = init_sharded_kv_caches(self.kv_cache_specs, self.num_blocks, self.cache_config.block_size,
+                                                self.mesh)
+            self._kv_caches_ready.set_result(caches)
+        except BaseException as error:  # raised where the pool is first used
+            self._kv_caches_ready.set_exception(error)
+
+    @property
+    def kv_caches(self) -> list:
+        """One cache per layer (models/kv_cache_spec.py), updated in place by every step."""
+        if self._kv_caches is None:
+            self._kv_caches = self._kv_caches_ready.result()
+        return self._kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches: list) -> None:
+        self._kv_caches = caches
 
     def _sharding(self, a):
         """The sharding a program argument is compiled for: its own (placed arrays), replicated
@@ -438,13 +473,14 @@ class ModelRunner:
             raise RuntimeError("compiling a bucket on the warm-up thread failed") from self._error
 
     def stop_warm_up(self) -> None:
-        """Drops the buckets not compiled yet and waits for the one being compiled (call before
-        exiting the process, so no compilation is cut off mid-way)."""
+        """Drops the buckets not compiled yet and waits for the one being compiled and for the
+        pool's zeroing (call before exiting the process, so no computation is cut off mid-way)."""
         with self._cond:
             self._queue.clear()
         thread = self._thread
         if thread is not None:
             thread.join()
+        concurrent.futures.wait([self._kv_caches_ready])
 
     @property
     def num_compiled_shapes(self) -> int:
