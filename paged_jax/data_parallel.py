@@ -10,7 +10,8 @@ requests; ties to the lowest index). A replica "holds" a block when the block's 
 its pool's prefix cache, or when a live request routed to it has that block: requests
 sharing a system prompt that arrive together (before any of them ran) then still land on
 the same replica. All replicas share one hash-chain root (hash_seed), so the router hashes
-a prompt once and looks the hashes up in every pool.
+a prompt once and looks the hashes up in every pool. There is no load cap: one very hot
+prefix keeps its requests on one replica (vLLM's router weighs load in; that is a later step).
 
 A step steps every replica that has work, each on its own thread (the host side is Python;
 the device programs release the GIL and run concurrently), and returns their outputs.
