@@ -202,13 +202,14 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf_checkpoint(path, dtype=None, param_dtype=None) -> LlamaForCausalLM:
+def load_gguf_checkpoint(path, dtype=None, param_dtype=None, place=None) -> LlamaForCausalLM:
     """Load a llama GGUF file (any tensor type gguf.quants can dequantize) as a LlamaForCausalLM.
 
     Args:
       path: the .gguf file.
       dtype: compute dtype; defaults to param_dtype.
       param_dtype: storage dtype of the weights; defaults to "float32".
+      place: where each tensor goes (models.loader.model_from_hf_tensors); default the default device.
     Returns:
       The model; its config is `model.config` (see read_gguf_config).
     Raises:
@@ -251,7 +252,7 @@ def load_gguf_checkpoint(path, dtype=None, param_dtype=None) -> LlamaForCausalLM
             w = _unpermute_rope_rows(w, config.num_kv_heads)
         return w
 
-    return model_from_hf_tensors(config, get_tensor)
+    return model_from_hf_tensors(config, get_tensor, place)
 
 
 # tokenizer

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
@@ -85,13 +86,14 @@ def _tensor_files(path: str) -> dict[str, str]:
         return {name: single for name in fh.keys()}
 
 
-def load_hf_checkpoint(path: str, dtype=None, param_dtype=None) -> LlamaForCausalLM:
+def load_hf_checkpoint(path: str, dtype=None, param_dtype=None, place=None) -> LlamaForCausalLM:
     """Load a HF Llama directory (config.json + model.safetensors or a shard index).
 
     Args:
       path: the checkpoint directory.
       dtype: compute dtype; defaults to param_dtype.
       param_dtype: storage dtype of the weights; defaults to the checkpoint's dtype.
+      place: where each tensor goes (model_from_hf_tensors); default the default device.
     Returns:
       The model; its config is `model.config`.
     Raises:
@@ -113,10 +115,10 @@ def load_hf_checkpoint(path: str, dtype=None, param_dtype=None) -> LlamaForCausa
 
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(safe_open(file, framework="flax")) for file in set(files.values())}
-        return model_from_hf_tensors(config, lambda name: handles[files[name]].get_tensor(name))
+        return model_from_hf_tensors(config, lambda name: handles[files[name]].get_tensor(name), place)
 
 
-def model_from_hf_tensors(config: LlamaConfig, get_tensor: Callable[[str], Any]) -> LlamaForCausalLM:
+def model_from_hf_tensors(config: LlamaConfig, get_tensor: Callable[[str], Any], place=None) -> LlamaForCausalLM:
     """Build a model of `config` whose every parameter is the HF-named tensor get_tensor returns.
 
     The one place HF names meet model parameters, shared by every checkpoint format (a HF
@@ -128,6 +130,10 @@ def model_from_hf_tensors(config: LlamaConfig, get_tensor: Callable[[str], Any])
       get_tensor: HF tensor name -> array in HF layout (numpy or jax, any float dtype), e.g.
         "model.layers.0.self_attn.q_proj.weight" -> [num_heads * head_dim, hidden_size]. Called
         once per name, so it may read lazily.
+      place: optional (parameter name, host array in the model's layout and param_dtype) ->
+        device array, e.g. paged_jax.sharding.param_placer(mesh): each tensor goes straight
+        to its devices, split, so no device ever holds the whole checkpoint. The name is the
+        model attribute ("q_proj", "embed_tokens", "lm_head", "norm"...).
     Returns:
       The model, weights cast to config.param_dtype.
     Raises:
@@ -139,7 +145,10 @@ def model_from_hf_tensors(config: LlamaConfig, get_tensor: Callable[[str], Any])
         if tuple(tensor.shape) != shape:
             raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {shape} for this config")
         param = param_of(model)
-        value = jnp.asarray(from_hf(tensor)).astype(config.param_dtype)
+        if place is None:
+            value = jnp.asarray(from_hf(tensor)).astype(config.param_dtype)
+        else:
+            value = place(name.rsplit(".", 2)[-2], np.asarray(from_hf(tensor)).astype(jnp.dtype(config.param_dtype)))
         assert value.shape == param.shape, f"layout transform of {name} gives {value.shape}"
         # A fresh Variable from eval_shape holds a ShapeDtypeStruct, so it is replaced
         # whole (set_value since flax 0.12; the .value setter before it).

@@ -46,7 +46,8 @@ class ModelFamily:
       architectures: HF `architectures` entries it serves.
       model_class: the NNX module, built as model_class(config, rngs=...).
       presets: named configs (random-weight models for tests and benchmarks).
-      load_hf_checkpoint: (directory, dtype) -> model.
+      load_hf_checkpoint: (directory, dtype) -> model; with place=... (models/loader.py) each
+        tensor goes to its devices as it is read (tensor parallelism passes it).
     """
 
     name: str
@@ -56,11 +57,18 @@ class ModelFamily:
     load_hf_checkpoint: Callable
 
 
+def _load_deepseek_v2(path: str, dtype: str | None, place=None):
+    if place is not None:  # tensor parallelism places weights as they load
+        raise ValueError("tensor_parallel_size > 1: DeepSeek-V2 (an MLA latent cache) has no tensor-parallel rules "
+                         "yet; use tensor_parallel_size=1")
+    return load_deepseek_v2_checkpoint(path, dtype=dtype)
+
+
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("llama", ("LlamaForCausalLM",), LlamaForCausalLM, LLAMA_PRESETS,
-                lambda path, dtype: load_hf_checkpoint(path, dtype=dtype)),
+                lambda path, dtype, **kwargs: load_hf_checkpoint(path, dtype=dtype, **kwargs)),
     ModelFamily("deepseek_v2", ("DeepseekV2ForCausalLM",), DeepseekV2ForCausalLM, DEEPSEEK_V2_PRESETS,
-                lambda path, dtype: load_deepseek_v2_checkpoint(path, dtype=dtype)),
+                _load_deepseek_v2),
 )
 
 
@@ -95,7 +103,7 @@ def _gguf_path(model: str) -> str | None:
     return None
 
 
-def load_model(model: str, *, dtype: str | None = None, seed: int = 0):
+def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=None):
     """The model `model=` names (see the module docstring for the forms it takes).
 
     Args:
@@ -103,6 +111,9 @@ def load_model(model: str, *, dtype: str | None = None, seed: int = 0):
         model ("smollm2-135m-instruct"), a .gguf file, or a HF model directory.
       dtype: compute dtype (None: the checkpoint's; tiny and GGUF: float32).
       seed: weights of embedded presets.
+      place: checkpoints only: (parameter name, host array) -> device array, called per tensor
+        as it is read (paged_jax.sharding.param_placer puts it on a mesh, split). Embedded
+        presets are drawn on the default device and placed by the runner.
     Raises:
       ValueError naming what is wrong: unknown name, missing file, unsupported architecture.
     """
@@ -110,7 +121,7 @@ def load_model(model: str, *, dtype: str | None = None, seed: int = 0):
         return build_preset(model, dtype=dtype, seed=seed)
     gguf = _gguf_path(model)
     if gguf is not None:
-        return load_gguf_checkpoint(gguf, dtype=dtype)
+        return load_gguf_checkpoint(gguf, dtype=dtype, place=place)
     config_path = os.path.join(model, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"model={model!r} is not an embedded model {EMBEDDED_MODELS}, a named model "
@@ -119,7 +130,8 @@ def load_model(model: str, *, dtype: str | None = None, seed: int = 0):
         hf_config = json.load(fh)
     architectures = hf_config.get("architectures") or (["LlamaForCausalLM"] if hf_config.get("model_type") == "llama"
                                                        else [])
-    return family_for_architectures(architectures).load_hf_checkpoint(model, dtype)
+    load = family_for_architectures(architectures).load_hf_checkpoint
+    return load(model, dtype) if place is None else load(model, dtype, place=place)
 
 
 def load_tokenizer(model: str) -> Tokenizer:

@@ -67,6 +67,16 @@ def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64,
     o.add_argument("--offload-disk-dir", default=None,
                    help="persistent tier under the host tier (a restart finds its blocks; needs --hash-seed)")
     o.add_argument("--hash-seed", default=None, help="fixed root of the prefix-cache hash chains")
+    d = p.add_argument_group("devices and hosts (README: several devices and hosts)")
+    d.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices one engine's heads and KV cache are split over (all processes' devices)")
+    d.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine replicas, each on its own tensor-parallel-size devices, routed by cached prefix")
+    d.add_argument("--coordinator-address", default=None,
+                   help="host:port of process 0: run one engine across processes (jax.distributed); every "
+                        "process runs the same command with the same prompts and its own --process-id")
+    d.add_argument("--num-processes", type=int, default=1)
+    d.add_argument("--process-id", type=int, default=0)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -170,7 +180,8 @@ def _engine_args(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
                 attention_impl=args.attention_impl, warm_up=args.warm_up,
                 compile_cache_dir=None if args.no_compile_cache else args.compile_cache_dir,
-                layers_per_program=args.layers_per_program, **_offload_args(args))
+                layers_per_program=args.layers_per_program, tensor_parallel_size=args.tensor_parallel_size,
+                data_parallel_size=args.data_parallel_size, **_offload_args(args))
 
 
 def _offload_args(args) -> dict:
@@ -196,6 +207,10 @@ def _make_llm(args, progress: Progress):
     """The LLM of the engine flags, its bucket compilation shown on `progress`."""
     from paged_jax import LLM  # jax loads here, after argument errors are out of the way
 
+    if args.coordinator_address:
+        from paged_jax.multiprocess import initialize
+
+        initialize(args.coordinator_address, args.num_processes, args.process_id)
     return LLM(args.model, warm_up_progress=_compile_progress(args, progress), **_engine_args(args))
 
 
@@ -221,7 +236,8 @@ def generate(args, params, prompts: list[str], console: Console) -> int:
         elapsed = time.perf_counter() - start
     # The buckets this run did not need are left to the next one (their compilation would
     # only delay the exit); those compiled are in the persistent cache.
-    llm.engine.runner.stop_warm_up()
+    for engine in getattr(llm.engine, "replicas", [llm.engine]):  # data parallel: each replica's
+        engine.runner.stop_warm_up()
     summary = _summary(outputs, llm.stats(), elapsed)
     if args.json:
         for o in outputs:
@@ -301,6 +317,11 @@ def serve(args, console: Console) -> int:
     from paged_jax.engine import EngineConfig
     from paged_jax.server import make_server
 
+    if args.data_parallel_size > 1 or args.coordinator_address:
+        # The HTTP side feeds one engine in one process; replicas and multi-process engines
+        # would need every process to see every request (paged_jax/multiprocess.py).
+        raise ValueError("serve runs one engine in one process: use --tensor-parallel-size for several devices, "
+                         "without --data-parallel-size or --coordinator-address")
     chat_template = _read_chat_template(args)
     config = EngineConfig(args.model, **_engine_args(args))  # --warm-up full by default: /health once all compiled
     with _progress(console) as progress:

