@@ -169,7 +169,10 @@ _WARMING_UP: weakref.WeakSet = weakref.WeakSet()
 
 
 @atexit.register
-def _stop_warm_ups() -> None:
+def stop_background_work() -> None:
+    """Every runner finishes what its background threads have inside XLA (the pool's zeroing,
+    the bucket being compiled) and drops the buckets not started. Runs at exit; tests that
+    count compilations call it first, so no other runner's thread compiles during theirs."""
     for runner in list(_WARMING_UP):
         runner.stop_warm_up()
 

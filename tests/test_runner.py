@@ -25,7 +25,8 @@ from models.llama import LlamaConfig, LlamaForCausalLM
 from paged_jax import SamplingParams
 from paged_jax.engine import EngineConfig, LLMEngine
 from paged_jax.core.config import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, CacheConfig, SchedulerConfig
-from paged_jax.runner import ModelRunner, num_blocks_for_budget, pack_step_inputs, unpack_step_inputs
+from paged_jax.runner import (ModelRunner, num_blocks_for_budget, pack_step_inputs, stop_background_work,
+                              unpack_step_inputs)
 from paged_jax.runner import _default_layers_per_program as layers_per_program
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -34,6 +35,7 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 @pytest.fixture
 def backend_compiles():
     """A list that grows by one entry per XLA compilation while the test runs."""
+    stop_background_work()  # other runners' threads (pool zeroing, warm-up) compile no more
     events = []
 
     def listener(name, duration, **kwargs):
