@@ -94,7 +94,7 @@ def device_pages(engine, hashes):
     return engine.runner.gather_pages(np.array([b.block_id for b in blocks]))
 
 
-@pytest.mark.parametrize("storage", [None, "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("storage", [None, "int8", "fp8"])
 def test_host_tier_hit_brings_the_pages_back(storage):
     engine = offload_engine(offload_host_bytes=64 * BLOCK_BYTES, offload_dtype=storage)
     rng = np.random.default_rng(11)
@@ -207,5 +207,8 @@ def test_offload_arguments_are_checked():
         EngineConfig(offload_host_bytes=1 << 20, offload_disk_dir="/tmp/x")
     with pytest.raises(ValueError, match="offload_dtype='int4'"):
         EngineConfig(offload_host_bytes=1 << 20, offload_dtype="int4")
+    with pytest.raises(ValueError, match="offload_dtype='float8_e4m3fn' must be one of"):
+        EngineConfig(offload_host_bytes=1 << 20, offload_dtype="float8_e4m3fn")  # kv_cache_dtype's names only
+    EngineConfig(offload_host_bytes=1 << 20, offload_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="cannot hold one block"):
         offload_engine(offload_host_bytes=100)
