@@ -7,6 +7,10 @@
 - A prompt evicted from the device and found in the host tier: its pages come back
   bit-identical (or, stored as int8 / fp8, equal to the format's round trip), and its
   outputs are unchanged.
+- A quantized device pool (kv_cache_dtype="int8", per-token scales: the scales are cache
+  leaves beside the pages): with heavy preemption over a host tier, greedy outputs equal the
+  same quantized engine's without offload (quantization changes tokens, so not dense_greedy's),
+  and pages back from the host tier are bit-identical, scales included.
 - A restart: a fresh engine over the same disk directory skips the prefill of a system
   prompt the first one computed; a directory of another setup is refused.
 - KV events replayed into an index agree with what each tier holds.
@@ -28,6 +32,8 @@ from paged_jax.engine import EngineConfig, LLMEngine
 
 SMALL_POOL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=12)
 BLOCK_BYTES = 8192  # one block of the tiny model's pages: 2 layers x (k, v) x 16 x 2 heads x 16 x f32
+# int8 pages and a f32 scale per (token, KV head): 2 layers x (k, v) x 16 x 2 heads x (16 x 1 + 4)
+QUANT_BLOCK_BYTES = 2560
 
 
 def offload_engine(model_object=None, **overrides) -> LLMEngine:
@@ -119,6 +125,59 @@ def test_host_tier_hit_brings_the_pages_back(storage):
         assert engine.offload.codec.nbytes == BLOCK_BYTES
     else:
         assert engine.offload.codec.nbytes < 0.4 * BLOCK_BYTES
+    assert_tiers_idle(engine)
+
+
+@functools.cache
+def quantized_reference():
+    """The int8 engine's own greedy outputs on the workload, without offload (same small pool,
+    preemption by recompute)."""
+    prompts, max_tokens, _ = workload()
+    return generate(offload_engine(kv_cache_dtype="int8"), prompts, max_tokens)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_quantized_pool_with_heavy_preemption_matches_it_without_offload(mode):
+    prompts, max_tokens, dense = workload()
+    assert quantized_reference() != dense, "int8 changes no token here: the float reference would have done"
+    engine = offload_engine(kv_cache_dtype="int8", preemption_mode=mode,
+                            offload_host_bytes=64 * QUANT_BLOCK_BYTES)
+    assert engine.offload.codec.nbytes == QUANT_BLOCK_BYTES
+    assert generate(engine, prompts, max_tokens) == quantized_reference()
+    stats = engine.get_stats()
+    assert stats["num_preemptions"] >= 3, "the workload did not preempt: the test would prove nothing"
+    if mode == "recompute":
+        assert stats["host_cache_hits"] > 0
+    else:
+        assert stats["num_swap_outs"] == stats["num_preemptions"] == stats["num_swap_ins"] > 0
+        assert stats["num_recomputed_tokens"] == 0
+    assert_tiers_idle(engine)
+
+
+@pytest.mark.parametrize("storage", [None, "int8"])
+def test_quantized_pool_pages_and_scales_come_back_bit_identical(storage):
+    """offload_dtype quantizes float leaves only: an int8 pool's pages and f32 scales [16, 2]
+    are stored as they are whatever it says."""
+    engine = offload_engine(kv_cache_dtype="int8", offload_host_bytes=64 * QUANT_BLOCK_BYTES, offload_dtype=storage)
+    assert [dtype for _, dtype in engine.runner.page_leaves()] == ["int8", "int8", "float32", "float32"] * 2
+    assert engine.offload.codec.nbytes == QUANT_BLOCK_BYTES
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, 512, 100).tolist()  # 6 full blocks
+    first = generate(engine, [prompt], [4], prefix="a")[0]
+    hashes = chain_hashes(engine, prompt)[:6]
+    before = device_pages(engine, hashes)
+    for scale in before[2::4] + before[3::4]:  # per token and head: a stale or zeroed scale would show
+        assert len(np.unique(scale)) > 0.9 * scale.size
+    fillers = [rng.integers(0, 512, 150).tolist() for _ in range(2)]  # evict the prompt
+    generate(engine, fillers, [2, 2], prefix="f")
+    pool = engine.kv_cache_manager.block_pool
+    assert not any(pool.get_cached_block(h) for h in hashes), "the prompt's blocks were not evicted"
+    hits = engine.get_stats()["host_cache_hits"]
+    again = generate(engine, [prompt], [4], prefix="b")[0]
+    assert engine.get_stats()["host_cache_hits"] - hits == 6 * BLOCK_SIZE
+    for x, y in zip(before, device_pages(engine, hashes)):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), f"a {x.dtype} leaf changed through the host tier"
+    assert again == first
     assert_tiers_idle(engine)
 
 
