@@ -11,6 +11,8 @@
   leaves beside the pages): with heavy preemption over a host tier, greedy outputs equal the
   same quantized engine's without offload (quantization changes tokens, so not dense_greedy's),
   and pages back from the host tier are bit-identical, scales included.
+- The MLA latent pool (a random tiny DeepSeek-V2, "tiny-mla"): with heavy preemption over a
+  host tier, greedy outputs equal the same engine's without offload.
 - A restart: a fresh engine over the same disk directory skips the prefill of a system
   prompt the first one computed; a directory of another setup is refused.
 - KV events replayed into an index agree with what each tier holds.
@@ -25,7 +27,7 @@ import pytest
 
 from engine_reference import (BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, big_llm, dense_greedy, greedy_params,
                               make_prompts, run_to_completion)
-from models.registry import load_model
+from models.registry import build_preset, load_model
 from paged_jax.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from paged_jax.core.request import Request, SamplingParams
 from paged_jax.engine import EngineConfig, LLMEngine
@@ -34,6 +36,8 @@ SMALL_POOL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=12)
 BLOCK_BYTES = 8192  # one block of the tiny model's pages: 2 layers x (k, v) x 16 x 2 heads x 16 x f32
 # int8 pages and a f32 scale per (token, KV head): 2 layers x (k, v) x 16 x 2 heads x (16 x 1 + 4)
 QUANT_BLOCK_BYTES = 2560
+# the latent pool: 2 layers x 16 x (32 latent + 8 rope dims) x f32
+MLA_BLOCK_BYTES = 5120
 
 
 def offload_engine(model_object=None, **overrides) -> LLMEngine:
@@ -178,6 +182,34 @@ def test_quantized_pool_pages_and_scales_come_back_bit_identical(storage):
     for x, y in zip(before, device_pages(engine, hashes)):
         assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), f"a {x.dtype} leaf changed through the host tier"
     assert again == first
+    assert_tiers_idle(engine)
+
+
+@functools.cache
+def mla_reference():
+    """A random tiny DeepSeek-V2 (MLA: one latent pool of c_kv and k_rope per layer) and its
+    greedy outputs on the workload without offload (same small pool, recompute)."""
+    model = build_preset("tiny-mla")
+    prompts, max_tokens, _ = workload()
+    return model, generate(offload_engine(model), prompts, max_tokens)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_mla_latent_pool_with_heavy_preemption_matches_it_without_offload(mode):
+    prompts, max_tokens, dense = workload()
+    model, reference = mla_reference()
+    assert reference != dense, "the MLA model's outputs equal the tiny llama's: the wrong model was loaded"
+    engine = offload_engine(model, preemption_mode=mode, offload_host_bytes=64 * MLA_BLOCK_BYTES)
+    assert engine.runner.kv_cache_specs[0].kv_lora_rank == 32
+    assert engine.offload.codec.nbytes == MLA_BLOCK_BYTES
+    assert generate(engine, prompts, max_tokens) == reference
+    stats = engine.get_stats()
+    assert stats["num_preemptions"] >= 3, "the workload did not preempt: the test would prove nothing"
+    if mode == "recompute":
+        assert stats["host_cache_hits"] > 0
+    else:
+        assert stats["num_swap_outs"] == stats["num_preemptions"] == stats["num_swap_ins"] > 0
+        assert stats["num_recomputed_tokens"] == 0
     assert_tiers_idle(engine)
 
 
