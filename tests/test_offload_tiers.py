@@ -92,7 +92,8 @@ def test_codec_stores_what_the_device_pool_would():
         amax = np.abs(x).max(axis=-1)
         scale = np.maximum(amax / np.float32(fmt.max_value), np.finfo(np.float32).tiny).astype(np.float32)
         y = np.clip(x / scale[..., None], -fmt.max_value, fmt.max_value)
-        q = np.rint(y).astype(np.int8).view(np.uint8) if fmt.is_integer else y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        q = np.rint(y).astype(np.int8) if fmt.is_integer else y.astype(ml_dtypes.float8_e4m3fn)
+        q = q.view(np.uint8)
         assert buffers[:, : 16 * 2 * 8].tobytes() == q.reshape(3, -1).tobytes()
         assert buffers[:, 16 * 2 * 8 :].view(np.float32).tobytes() == scale.reshape(3, -1).tobytes()
 
