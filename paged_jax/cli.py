@@ -24,6 +24,7 @@ from rich.table import Table
 
 from paged_jax.compile_cache import WARM_UP_MODES, default_compile_cache_dir
 from paged_jax.core.kv_quant import KV_CACHE_DTYPES, KV_CACHE_SCALINGS
+from paged_jax.core.page_codec import STORAGE_DTYPES
 
 
 def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64,
@@ -62,8 +63,8 @@ def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64,
     o.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
                    help="swap: a preempted request's pages go to the host tier (needs --offload-host-mib)")
     o.add_argument("--offload-host-mib", type=int, default=0, help="host tier size in MiB (0: off)")
-    o.add_argument("--offload-dtype", choices=("int8", "float8_e4m3fn"), default=None,
-                   help="store host/disk pages quantized (default: as the cache)")
+    o.add_argument("--offload-dtype", choices=[name for name in STORAGE_DTYPES if name], default=None,
+                   help="store host/disk pages quantized in one of --kv-cache-dtype's formats (default: as the cache)")
     o.add_argument("--offload-disk-dir", default=None,
                    help="persistent tier under the host tier (a restart finds its blocks; needs --hash-seed)")
     o.add_argument("--hash-seed", default=None, help="fixed root of the prefix-cache hash chains")

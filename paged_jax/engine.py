@@ -87,7 +87,7 @@ class EngineConfig:
     # Offload tiers (paged_jax/core/offload.py). "swap" preemption needs the host tier.
     preemption_mode: str = "recompute"  # or "swap"
     offload_host_bytes: int = 0  # byte cap of the host tier; 0: no offload
-    offload_dtype: str | None = None  # host/disk storage: None (as the cache), "int8", "float8_e4m3fn"
+    offload_dtype: str | None = None  # host/disk storage: None (as the cache) or a kv_cache_dtype format
     offload_disk_dir: str | None = None  # persistent tier under the host tier (needs hash_seed)
     offload_disk_bytes: int | None = None  # cap of the disk tier; None: unbounded
     enable_kv_events: bool = False  # LLMEngine.kv_events: BlockStored / BlockRemoved per tier

@@ -7,6 +7,12 @@
 - A prompt evicted from the device and found in the host tier: its pages come back
   bit-identical (or, stored as int8 / fp8, equal to the format's round trip), and its
   outputs are unchanged.
+- A quantized device pool (kv_cache_dtype="int8", per-token scales: the scales are cache
+  leaves beside the pages): with heavy preemption over a host tier, greedy outputs equal the
+  same quantized engine's without offload (quantization changes tokens, so not dense_greedy's),
+  and pages back from the host tier are bit-identical, scales included.
+- The MLA latent pool (a random tiny DeepSeek-V2, "tiny-mla"): with heavy preemption over a
+  host tier, greedy outputs equal the same engine's without offload.
 - A restart: a fresh engine over the same disk directory skips the prefill of a system
   prompt the first one computed; a directory of another setup is refused.
 - KV events replayed into an index agree with what each tier holds.
@@ -21,13 +27,17 @@ import pytest
 
 from engine_reference import (BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, big_llm, dense_greedy, greedy_params,
                               make_prompts, run_to_completion)
-from models.registry import load_model
+from models.registry import build_preset, load_model
 from paged_jax.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from paged_jax.core.request import Request, SamplingParams
 from paged_jax.engine import EngineConfig, LLMEngine
 
 SMALL_POOL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=12)
 BLOCK_BYTES = 8192  # one block of the tiny model's pages: 2 layers x (k, v) x 16 x 2 heads x 16 x f32
+# int8 pages and a f32 scale per (token, KV head): 2 layers x (k, v) x 16 x 2 heads x (16 x 1 + 4)
+QUANT_BLOCK_BYTES = 2560
+# the latent pool: 2 layers x 16 x (32 latent + 8 rope dims) x f32
+MLA_BLOCK_BYTES = 5120
 
 
 def offload_engine(model_object=None, **overrides) -> LLMEngine:
@@ -94,7 +104,7 @@ def device_pages(engine, hashes):
     return engine.runner.gather_pages(np.array([b.block_id for b in blocks]))
 
 
-@pytest.mark.parametrize("storage", [None, "int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("storage", [None, "int8", "fp8"])
 def test_host_tier_hit_brings_the_pages_back(storage):
     engine = offload_engine(offload_host_bytes=64 * BLOCK_BYTES, offload_dtype=storage)
     rng = np.random.default_rng(11)
@@ -119,6 +129,87 @@ def test_host_tier_hit_brings_the_pages_back(storage):
         assert engine.offload.codec.nbytes == BLOCK_BYTES
     else:
         assert engine.offload.codec.nbytes < 0.4 * BLOCK_BYTES
+    assert_tiers_idle(engine)
+
+
+@functools.cache
+def quantized_reference():
+    """The int8 engine's own greedy outputs on the workload, without offload (same small pool,
+    preemption by recompute)."""
+    prompts, max_tokens, _ = workload()
+    return generate(offload_engine(kv_cache_dtype="int8"), prompts, max_tokens)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_quantized_pool_with_heavy_preemption_matches_it_without_offload(mode):
+    prompts, max_tokens, dense = workload()
+    assert quantized_reference() != dense, "int8 changes no token here: the float reference would have done"
+    engine = offload_engine(kv_cache_dtype="int8", preemption_mode=mode,
+                            offload_host_bytes=64 * QUANT_BLOCK_BYTES)
+    assert engine.offload.codec.nbytes == QUANT_BLOCK_BYTES
+    assert generate(engine, prompts, max_tokens) == quantized_reference()
+    stats = engine.get_stats()
+    assert stats["num_preemptions"] >= 3, "the workload did not preempt: the test would prove nothing"
+    if mode == "recompute":
+        assert stats["host_cache_hits"] > 0
+    else:
+        assert stats["num_swap_outs"] == stats["num_preemptions"] == stats["num_swap_ins"] > 0
+        assert stats["num_recomputed_tokens"] == 0
+    assert_tiers_idle(engine)
+
+
+@pytest.mark.parametrize("storage", [None, "int8"])
+def test_quantized_pool_pages_and_scales_come_back_bit_identical(storage):
+    """offload_dtype quantizes float leaves only: an int8 pool's pages and f32 scales [16, 2]
+    are stored as they are whatever it says."""
+    engine = offload_engine(kv_cache_dtype="int8", offload_host_bytes=64 * QUANT_BLOCK_BYTES, offload_dtype=storage)
+    assert [dtype for _, dtype in engine.runner.page_leaves()] == ["int8", "int8", "float32", "float32"] * 2
+    assert engine.offload.codec.nbytes == QUANT_BLOCK_BYTES
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, 512, 100).tolist()  # 6 full blocks
+    first = generate(engine, [prompt], [4], prefix="a")[0]
+    hashes = chain_hashes(engine, prompt)[:6]
+    before = device_pages(engine, hashes)
+    for scale in before[2::4] + before[3::4]:  # per token and head: a stale or zeroed scale would show
+        assert len(np.unique(scale)) > 0.9 * scale.size
+    fillers = [rng.integers(0, 512, 150).tolist() for _ in range(2)]  # evict the prompt
+    generate(engine, fillers, [2, 2], prefix="f")
+    pool = engine.kv_cache_manager.block_pool
+    assert not any(pool.get_cached_block(h) for h in hashes), "the prompt's blocks were not evicted"
+    hits = engine.get_stats()["host_cache_hits"]
+    again = generate(engine, [prompt], [4], prefix="b")[0]
+    assert engine.get_stats()["host_cache_hits"] - hits == 6 * BLOCK_SIZE
+    for x, y in zip(before, device_pages(engine, hashes)):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), f"a {x.dtype} leaf changed through the host tier"
+    assert again == first
+    assert_tiers_idle(engine)
+
+
+@functools.cache
+def mla_reference():
+    """A random tiny DeepSeek-V2 (MLA: one latent pool of c_kv and k_rope per layer) and its
+    greedy outputs on the workload without offload (same small pool, recompute)."""
+    model = build_preset("tiny-mla")
+    prompts, max_tokens, _ = workload()
+    return model, generate(offload_engine(model), prompts, max_tokens)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_mla_latent_pool_with_heavy_preemption_matches_it_without_offload(mode):
+    prompts, max_tokens, dense = workload()
+    model, reference = mla_reference()
+    assert reference != dense, "the MLA model's outputs equal the tiny llama's: the wrong model was loaded"
+    engine = offload_engine(model, preemption_mode=mode, offload_host_bytes=64 * MLA_BLOCK_BYTES)
+    assert engine.runner.kv_cache_specs[0].kv_lora_rank == 32
+    assert engine.offload.codec.nbytes == MLA_BLOCK_BYTES
+    assert generate(engine, prompts, max_tokens) == reference
+    stats = engine.get_stats()
+    assert stats["num_preemptions"] >= 3, "the workload did not preempt: the test would prove nothing"
+    if mode == "recompute":
+        assert stats["host_cache_hits"] > 0
+    else:
+        assert stats["num_swap_outs"] == stats["num_preemptions"] == stats["num_swap_ins"] > 0
+        assert stats["num_recomputed_tokens"] == 0
     assert_tiers_idle(engine)
 
 
@@ -207,5 +298,8 @@ def test_offload_arguments_are_checked():
         EngineConfig(offload_host_bytes=1 << 20, offload_disk_dir="/tmp/x")
     with pytest.raises(ValueError, match="offload_dtype='int4'"):
         EngineConfig(offload_host_bytes=1 << 20, offload_dtype="int4")
+    with pytest.raises(ValueError, match="offload_dtype='float8_e4m3fn' must be one of"):
+        EngineConfig(offload_host_bytes=1 << 20, offload_dtype="float8_e4m3fn")  # kv_cache_dtype's names only
+    EngineConfig(offload_host_bytes=1 << 20, offload_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="cannot hold one block"):
         offload_engine(offload_host_bytes=100)

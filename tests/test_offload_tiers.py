@@ -11,7 +11,8 @@ import pytest
 from paged_jax.core.disk_tier import DiskKVTier
 from paged_jax.core.host_tier import HostKVTier
 from paged_jax.core.kv_events import BlockRemoved, BlockStored, KVEventLog
-from paged_jax.core.page_codec import PageCodec, PageLeaf
+from paged_jax.core.kv_quant import FORMATS
+from paged_jax.core.page_codec import STORAGE_DTYPES, PageCodec, PageLeaf
 
 LEAVES = [PageLeaf((16, 2, 8), "float32"), PageLeaf((16, 2, 8), "bfloat16"), PageLeaf((16, 2), "float32")]
 
@@ -21,7 +22,7 @@ def random_pages(n, leaves=LEAVES, seed=0):
     pages = []
     for leaf in leaves:
         x = rng.normal(size=(n, *leaf.shape)) * rng.choice([1e-3, 1.0, 300.0], size=(n, *leaf.shape[:-1], 1))
-        x[0, 0] = 0.0  # an all-zero row: scale 0
+        x[0, 0] = 0.0  # an all-zero row: the smallest scale, not 0
         pages.append(x.astype(np.float32).astype(np.dtype(getattr(ml_dtypes, leaf.dtype, leaf.dtype))))
     return pages
 
@@ -39,39 +40,76 @@ def test_unquantized_round_trip_is_bit_identical():
         assert a[3:4].tobytes() == b.tobytes()
 
 
-@pytest.mark.parametrize("storage", ["int8", "float8_e4m3fn"])
+def format_error_bound(x, fmt):
+    """What the format promises for one element of a round trip (float64), from its definition:
+    int8: relative_error of the row's amax (half a step); fp8: relative_error of |x| in the
+    normal range, half the subnormal step (times the row's scale) below it."""
+    amax = np.max(np.abs(x), axis=-1, keepdims=True)
+    if fmt.is_integer:
+        return fmt.relative_error * amax
+    scale = amax / fmt.max_value
+    return fmt.relative_error * np.abs(x) + 0.5 * float(ml_dtypes.finfo(fmt.storage_dtype).smallest_subnormal) * scale
+
+
+def test_storage_dtypes_are_the_kv_quant_formats():
+    assert STORAGE_DTYPES == (None, "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+    assert PageCodec(LEAVES, "fp8").describe() == PageCodec(LEAVES, "fp8_e4m3").describe()  # one format, one name
+
+
+@pytest.mark.parametrize("storage", ["int8", "fp8_e4m3", "fp8_e5m2"])
 def test_quantized_round_trip_is_within_the_format_error(storage):
+    fmt = FORMATS[storage]
     codec = PageCodec(LEAVES, storage)
     pages = random_pages(6)
     decoded = codec.decode(codec.encode(pages))
+    worst = 0.0
     for leaf, x, y in zip(LEAVES, pages, decoded):
         x, y = x.astype(np.float64), y.astype(np.float64)
         if len(leaf.shape) < 3:  # not quantized: stored as it is
             assert x.tobytes() == y.tobytes() or np.array_equal(x, y)
             continue
         assert np.all(np.isfinite(y))
-        amax = np.max(np.abs(x), axis=-1, keepdims=True)
-        if storage == "int8":
-            bound = amax / 127 / 2
-        else:  # 3 mantissa bits: half a step is 2**-4 relative; subnormals step scale * 2**-9
-            bound = np.abs(x) * 2.0**-4 + amax / 448 * 2.0**-9
+        bound = format_error_bound(x, fmt)
         # the cache dtype's own rounding on the way back (bf16: 2**-8 relative)
         bound = bound * (1 + 1e-6) + np.abs(x) * (2.0**-8 if leaf.dtype == "bfloat16" else 1e-7)
-        assert np.all(np.abs(x - y) <= bound), (leaf, float(np.max(np.abs(x - y) - bound)))
-    # a quarter (int8, fp8: 1 byte + a 4-byte scale per 8 values) of the float32 leaf's bytes
+        err = np.abs(x - y)
+        assert np.all(err <= bound), (leaf, float(np.max(err - bound)))
+        if leaf.dtype == "float32":
+            worst = max(worst, float(np.max(err / np.max(np.abs(x), axis=-1, keepdims=True).clip(1e-30))))
+    # and the bound is nearly reached: a looser rounding (or a wider scale) would show
+    assert worst > 0.5 * (fmt.relative_error if not fmt.is_integer else 0.5 / fmt.max_value)
+    # a quarter (1 byte + a 4-byte scale per 8 values) of the float32 leaf's bytes
     assert codec.nbytes < 0.6 * codec.raw_nbytes
 
 
+def test_codec_stores_what_the_device_pool_would():
+    """The same values and scales as quantize-on-write's rule, computed here independently:
+    amax / max_value per row (never below float32's tiny), x / scale rounded and clipped."""
+    x = random_pages(3, [PageLeaf((16, 2, 8), "float32")], seed=1)[0]
+    for name in ("int8", "fp8_e4m3"):
+        fmt = FORMATS[name]
+        buffers = PageCodec([PageLeaf((16, 2, 8), "float32")], name).encode([x])
+        amax = np.abs(x).max(axis=-1)
+        scale = np.maximum(amax / np.float32(fmt.max_value), np.finfo(np.float32).tiny).astype(np.float32)
+        y = np.clip(x / scale[..., None], -fmt.max_value, fmt.max_value)
+        q = np.rint(y).astype(np.int8) if fmt.is_integer else y.astype(ml_dtypes.float8_e4m3fn)
+        q = q.view(np.uint8)
+        assert buffers[:, : 16 * 2 * 8].tobytes() == q.reshape(3, -1).tobytes()
+        assert buffers[:, 16 * 2 * 8 :].view(np.float32).tobytes() == scale.reshape(3, -1).tobytes()
+
+
 def test_quantization_saturates_instead_of_overflowing():
-    codec = PageCodec([PageLeaf((4, 1, 4), "float32")], "float8_e4m3fn")
+    codec = PageCodec([PageLeaf((4, 1, 4), "float32")], "fp8")
     x = np.array([[[[1e30, -1e30, 1.0, 0.0]]] * 4], np.float32)
     y = codec.decode(codec.encode([x]))[0]
-    assert np.all(np.isfinite(y)) and np.allclose(y[..., :2], x[..., :2], rtol=0.07)
+    assert np.all(np.isfinite(y)) and np.allclose(y[..., :2], x[..., :2], rtol=FORMATS["fp8_e4m3"].relative_error)
 
 
 def test_codec_rejects_an_unknown_storage_dtype():
     with pytest.raises(ValueError, match="offload_dtype='int4'"):
         PageCodec(LEAVES, "int4")
+    with pytest.raises(ValueError, match="offload_dtype='float8_e4m3fn'.*'fp8_e4m3'"):
+        PageCodec(LEAVES, "float8_e4m3fn")  # ml_dtypes' name: offload_dtype speaks kv_cache_dtype's
 
 
 # ---------------------------------------------------------------------------- host tier

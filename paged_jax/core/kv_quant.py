@@ -120,6 +120,19 @@ def quantize_numpy(x, fmt: KVQuantFormat, scale):
     return y.astype(fmt.storage_dtype)
 
 
+def per_token_scale_numpy(x, fmt: KVQuantFormat):
+    """The per-token scale rule on the host: amax over the last axis / max_value, at least
+    MIN_SCALE (float32), as the device's quantize-on-write computes it.
+
+    Args:
+      x: float array [..., head_dim].
+    Returns:
+      f32[...] (x's shape without its last axis).
+    """
+    amax = np.max(np.abs(np.asarray(x, np.float32)), axis=-1)
+    return np.maximum(amax / np.float32(fmt.max_value), np.float32(MIN_SCALE)).astype(np.float32)
+
+
 def to_pages_numpy(q, fmt: KVQuantFormat):
     """Quantized values (fmt.storage_dtype) as page bytes (fmt.page_dtype): a view, no copy."""
     return np.asarray(q).view(fmt.page_dtype)

@@ -31,7 +31,7 @@ import numpy as np
 
 from paged_jax.core.config import check_int
 from paged_jax.core.host_tier import HostKVTier
-from paged_jax.core.page_codec import STORAGE_DTYPES, PageCodec
+from paged_jax.core.page_codec import PageCodec, get_storage_format
 
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -43,7 +43,8 @@ class OffloadConfig:
     Attributes:
       host_bytes: byte cap of the host tier (> 0 turns it on).
       storage_dtype: how host and disk store pages: None (the cache's dtype, bit-identical),
-        "int8" or "float8_e4m3fn" (per token-and-head scales; page_codec.py).
+        or a KV quantization format by its kv_cache_dtype name: "int8", "fp8_e4m3" (= "fp8"),
+        "fp8_e5m2" (core/kv_quant.py; per token-and-head scales; page_codec.py).
       disk_dir: directory of the persistent tier (None: no disk tier).
       disk_bytes: optional cap on the disk tier's bytes (None: unbounded).
     """
@@ -55,8 +56,7 @@ class OffloadConfig:
 
     def __post_init__(self):
         check_int("offload_host_bytes", self.host_bytes, 1, "give the host tier a byte budget, or 0 to turn it off")
-        if self.storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"offload_dtype={self.storage_dtype!r} must be one of {STORAGE_DTYPES}")
+        get_storage_format(self.storage_dtype)  # ValueError naming offload_dtype and the choices
         if self.disk_dir is not None and not isinstance(self.disk_dir, str):
             raise ValueError(f"offload_disk_dir={self.disk_dir!r} must be a path string or None")
         if self.disk_bytes is not None:

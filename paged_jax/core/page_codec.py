@@ -9,17 +9,15 @@ vectorised pass per leaf.
 
 Storage formats (`storage_dtype`):
 - None: the cache's own bytes (a round trip is bit-identical).
-- "int8": symmetric int8 with one float32 scale per (token, KV head), i.e. per row of the
-  leaf's last axis: scale = max|x| / 127, q = round-to-nearest(x / scale), clipped.
-- "float8_e4m3fn": ml_dtypes' fp8 with the same scales (scale = max|x| / 448; values are
-  clipped to +-448 before the cast, so nothing becomes NaN: saturation).
+- a quantized format of core/kv_quant.py, by its kv_cache_dtype name ("int8", "fp8_e4m3",
+  "fp8_e5m2"; "fp8" means fp8_e4m3): the device pool's own formats, with the same per-token
+  rule (one float32 scale per (token, KV head), i.e. per row of the leaf's last axis: amax /
+  max_value, at least MIN_SCALE), rounding and saturation (kv_quant.quantize_numpy), and the
+  same page bytes (fp8 as uint8 bits). The format's relative_error bounds a round trip.
 Only floating leaves of rank >= 3 ([block_size, heads, dim]) are quantized; others (a
-quantized device pool's own scales, integer leaves) are stored as they are.
-Error bound of a round trip: |x - x'| <= scale / 2 for int8, and the fp8 format's relative
-step (2**-4 of the value, plus scale * 2**-9 near zero) for float8_e4m3fn.
-
-KV quantization of the device pool (issue 14) is built separately; its format definitions
-and these are to be unified once both land. Imports no jax.
+quantized device pool's own pages and scales, integer leaves) are stored as they are, so a
+quantized device pool goes through the tiers bit-identical whatever storage_dtype says.
+Imports no jax.
 """
 
 from __future__ import annotations
@@ -29,9 +27,10 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-STORAGE_DTYPES = (None, "int8", "float8_e4m3fn")
-_QMAX = {"int8": 127.0, "float8_e4m3fn": float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)}
-_QDTYPE = {"int8": np.dtype(np.int8), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn)}
+from paged_jax.core.kv_quant import (KV_CACHE_DTYPES, KVQuantFormat, dequantize_numpy, get_kv_quant_format,
+                                     per_token_scale_numpy, quantize_numpy, to_pages_numpy)
+
+STORAGE_DTYPES = (None, *(name for name in KV_CACHE_DTYPES if name != "auto"))
 
 
 def _np_dtype(name: str) -> np.dtype:
@@ -50,6 +49,18 @@ def _is_float(dtype: np.dtype) -> bool:
     return True
 
 
+def get_storage_format(storage_dtype: str | None) -> KVQuantFormat | None:
+    """The kv_quant format an offload_dtype names; None for None (the cache's own bytes).
+
+    Raises:
+      ValueError: a name that is not one of STORAGE_DTYPES.
+    """
+    if storage_dtype not in STORAGE_DTYPES:
+        raise ValueError(f"offload_dtype={storage_dtype!r} must be one of {STORAGE_DTYPES} "
+                         "(None keeps the cache's dtype; the others are kv_cache_dtype's formats, 'fp8' = fp8_e4m3)")
+    return None if storage_dtype is None else get_kv_quant_format(storage_dtype)
+
+
 @dataclass(frozen=True)
 class PageLeaf:
     """One leaf of one layer's cache, as one page of it: shape [block_size, ...], dtype name."""
@@ -64,7 +75,7 @@ class _Part:
 
     leaf: PageLeaf
     offset: int
-    stored_dtype: np.dtype
+    stored_dtype: np.dtype  # the leaf's own dtype, or the format's page_dtype
     scale_offset: int  # -1: not quantized
 
     @property
@@ -85,16 +96,14 @@ class PageCodec:
     """
 
     def __init__(self, leaves, storage_dtype: str | None = None):
-        if storage_dtype not in STORAGE_DTYPES:
-            raise ValueError(f"offload_dtype={storage_dtype!r} must be one of {STORAGE_DTYPES} "
-                             "(None keeps the cache's dtype)")
+        self.format = get_storage_format(storage_dtype)
         self.leaves = tuple(PageLeaf(tuple(int(d) for d in leaf.shape), str(leaf.dtype)) for leaf in leaves)
         self.storage_dtype = storage_dtype
         parts, offset = [], 0
         for leaf in self.leaves:
             dtype = _np_dtype(leaf.dtype)
-            quantized = storage_dtype is not None and len(leaf.shape) >= 3 and _is_float(dtype)
-            stored = _QDTYPE[storage_dtype] if quantized else dtype
+            quantized = self.format is not None and len(leaf.shape) >= 3 and _is_float(dtype)
+            stored = np.dtype(self.format.page_dtype) if quantized else dtype
             part = _Part(leaf, offset, stored, -1)
             offset += part.values_nbytes
             if quantized:
@@ -110,9 +119,10 @@ class PageCodec:
         return sum(int(np.prod(leaf.shape)) * _np_dtype(leaf.dtype).itemsize for leaf in self.leaves)
 
     def describe(self) -> dict:
-        """The geometry as plain data (the disk tier compares it with what a directory holds)."""
+        """The geometry as plain data (the disk tier compares it with what a directory holds).
+        The format by its canonical name: "fp8" and "fp8_e4m3" write the same bytes."""
         return {"pages": [[list(leaf.shape), leaf.dtype] for leaf in self.leaves],
-                "storage_dtype": self.storage_dtype}
+                "storage_dtype": None if self.format is None else self.format.name}
 
     def encode(self, pages: list[np.ndarray]) -> np.ndarray:
         """Pages of n blocks -> uint8[n, nbytes].
@@ -129,8 +139,9 @@ class PageCodec:
             if part.scale_offset < 0:
                 values[:] = np.ascontiguousarray(page).reshape(n, -1).view(np.uint8)
                 continue
-            q, scale = _quantize(page, self.storage_dtype)
-            values[:] = q.reshape(n, -1).view(np.uint8)
+            scale = per_token_scale_numpy(page, self.format)  # f32[n, *scale_shape]
+            q = to_pages_numpy(quantize_numpy(page, self.format, scale[..., None]), self.format)
+            values[:] = np.ascontiguousarray(q).reshape(n, -1).view(np.uint8)
             scale_bytes = scale.size // n * 4
             out[:, part.scale_offset : part.scale_offset + scale_bytes] = scale.reshape(n, -1).view(np.uint8)
         return out
@@ -150,19 +161,5 @@ class PageCodec:
             scale_bytes = int(np.prod(part.scale_shape)) * 4
             scale = np.ascontiguousarray(buffers[:, part.scale_offset : part.scale_offset + scale_bytes])
             scale = scale.view(np.float32).reshape(n, *part.scale_shape, 1)
-            pages.append((values.astype(np.float32) * scale).astype(_np_dtype(part.leaf.dtype)))
+            pages.append(dequantize_numpy(values, scale, self.format).astype(_np_dtype(part.leaf.dtype)))
         return pages
-
-
-def _quantize(x: np.ndarray, storage_dtype: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row (last axis) symmetric quantization: (values, float32 scales [..., 1])."""
-    x = x.astype(np.float32)
-    qmax = _QMAX[storage_dtype]
-    scale = np.max(np.abs(x), axis=-1, keepdims=True) / qmax
-    safe = np.where(scale > 0, scale, 1.0)
-    y = np.clip(x / safe, -qmax, qmax)
-    if storage_dtype == "int8":
-        q = np.rint(y).astype(np.int8)
-    else:
-        q = y.astype(_QDTYPE[storage_dtype])  # round to nearest even; in range after the clip
-    return q, scale.astype(np.float32)
