@@ -19,6 +19,22 @@ _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float1
                 "fp16": "float16", "half": "float16", "float": "float32"}
 
 
+def normalize_token_ids_and_dtypes(config) -> None:
+    """In a frozen config's __post_init__: eos_token_ids as a tuple of ints, BOS/EOS ids checked
+    against vocab_size (ValueError naming the field), dtype and param_dtype as canonical names."""
+    if isinstance(config.eos_token_ids, (int, np.integer)):
+        object.__setattr__(config, "eos_token_ids", (int(config.eos_token_ids),))
+    object.__setattr__(config, "eos_token_ids", tuple(int(t) for t in config.eos_token_ids))
+    for name, ids in (("bos_token_id", () if config.bos_token_id is None else (config.bos_token_id,)),
+                      ("eos_token_ids", config.eos_token_ids)):
+        bad = [t for t in ids if not 0 <= t < config.vocab_size]
+        if bad:
+            raise ValueError(f"{name} {bad} outside the vocabulary [0, {config.vocab_size}); "
+                             "fix the token id or vocab_size")
+    object.__setattr__(config, "param_dtype", canonical_dtype(config.param_dtype, "param_dtype"))
+    object.__setattr__(config, "dtype", canonical_dtype(config.dtype, "dtype"))
+
+
 def canonical_dtype(dtype: Any, field: str) -> str:
     """'bfloat16' / jnp.bfloat16 / np.dtype('float32') -> 'bfloat16' / 'float32'; ValueError otherwise."""
     if isinstance(dtype, str):
@@ -119,17 +135,7 @@ class LlamaConfig:
         elif self.rope_scaling is not None and not isinstance(self.rope_scaling, Llama3RopeScaling):
             raise ValueError(f"rope_scaling={self.rope_scaling!r} must be None, a Llama3RopeScaling "
                              "or a llama3 dict")
-        if isinstance(self.eos_token_ids, (int, np.integer)):
-            object.__setattr__(self, "eos_token_ids", (int(self.eos_token_ids),))
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        for name, ids in (("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
-                          ("eos_token_ids", self.eos_token_ids)):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} {bad} outside the vocabulary [0, {self.vocab_size}); "
-                                 "fix the token id or vocab_size")
-        object.__setattr__(self, "param_dtype", canonical_dtype(self.param_dtype, "param_dtype"))
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "dtype"))
+        normalize_token_ids_and_dtypes(self)
 
     @property
     def num_queries_per_kv(self) -> int:

@@ -38,7 +38,7 @@ from flax import nnx
 
 from models.deepseek_v2_config import PRESETS, DeepseekV2Config, YarnRopeScaling
 from models.kv_cache_spec import MLAAttentionSpec
-from models.layers import RMSNorm
+from models.layers import MLP, RMSNorm
 
 __all__ = ["PRESETS", "DeepseekV2Config", "DeepseekV2ForCausalLM", "YarnRopeScaling"]
 
@@ -140,23 +140,6 @@ class MLAttention(nnx.Module):
         return self._out(jnp.einsum("BNTS,BSNV->BTNV", probs, v))
 
 
-class DenseMLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); the dense layers and the shared experts."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, *, param_dtype: str, dtype: str, rngs: nnx.Rngs):
-        d, f = hidden_size, intermediate_size
-        self.dtype = dtype
-        self.gate_proj = _normal(rngs, (d, f), d, param_dtype)  # [D, F]
-        self.up_proj = _normal(rngs, (d, f), d, param_dtype)  # [D, F]
-        self.down_proj = _normal(rngs, (f, d), f, param_dtype)  # [F, D]
-
-    def __call__(self, x):
-        dt = self.dtype
-        gate = jnp.einsum("...D,DF->...F", x, self.gate_proj[...].astype(dt))
-        up = jnp.einsum("...D,DF->...F", x, self.up_proj[...].astype(dt))
-        return jnp.einsum("...F,FD->...D", jax.nn.silu(gate) * up, self.down_proj[...].astype(dt))
-
-
 def route(config: DeepseekV2Config, x, router):
     """Top-k experts of each token: (i32[T, k] expert ids, f32[T, k] weights incl. routed_scaling_factor).
 
@@ -187,7 +170,7 @@ class MoE(nnx.Module):
         self.experts_gate = _normal(rngs, (d, e, f), d, pd)  # [D, E, F]
         self.experts_up = _normal(rngs, (d, e, f), d, pd)  # [D, E, F]
         self.experts_down = _normal(rngs, (e, f, d), f, pd)  # [E, F, D]
-        self.shared_experts = (DenseMLP(d, f * c.n_shared_experts, param_dtype=pd, dtype=c.dtype, rngs=rngs)
+        self.shared_experts = (MLP(d, f * c.n_shared_experts, param_dtype=pd, dtype=c.dtype, rngs=rngs)
                                if c.n_shared_experts else None)
 
     def _experts_dense(self, x, experts, weights):
@@ -237,7 +220,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = MLAttention(c, rngs=rngs)
         self.post_attention_layernorm = norm()
         self.mlp = (MoE(c, rngs=rngs) if c.is_moe_layer(layer_id)
-                    else DenseMLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype, dtype=c.dtype,
+                    else MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype, dtype=c.dtype,
                                   rngs=rngs))
 
     def __call__(self, x, positions, kv_cache, attn_metadata, attention):

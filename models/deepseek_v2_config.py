@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from models.config import canonical_dtype
+from models.config import canonical_dtype, normalize_token_ids_and_dtypes
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -170,17 +170,7 @@ class DeepseekV2Config:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, YarnRopeScaling):
             raise ValueError(f"rope_scaling={self.rope_scaling!r} must be None or a YarnRopeScaling")
-        if isinstance(self.eos_token_ids, (int, np.integer)):
-            object.__setattr__(self, "eos_token_ids", (int(self.eos_token_ids),))
-        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        for name, ids in (("bos_token_id", () if self.bos_token_id is None else (self.bos_token_id,)),
-                          ("eos_token_ids", self.eos_token_ids)):
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"{name} {bad} outside the vocabulary [0, {self.vocab_size}); "
-                                 "fix the token id or vocab_size")
-        object.__setattr__(self, "param_dtype", canonical_dtype(self.param_dtype, "param_dtype"))
-        object.__setattr__(self, "dtype", canonical_dtype(self.dtype, "dtype"))
+        normalize_token_ids_and_dtypes(self)
 
     @property
     def qk_head_dim(self) -> int:

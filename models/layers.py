@@ -144,14 +144,14 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)) (Llama's MLP; DeepSeek-V2's dense layers and shared experts)."""
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-        d, f, pd = config.hidden_size, config.intermediate_size, config.param_dtype
-        self.dtype = config.dtype
-        self.gate_proj = _normal(rngs, (d, f), d, pd)  # [D, F]
-        self.up_proj = _normal(rngs, (d, f), d, pd)  # [D, F]
-        self.down_proj = _normal(rngs, (f, d), f, pd)  # [F, D]
+    def __init__(self, hidden_size: int, intermediate_size: int, *, param_dtype: str, dtype: str, rngs: nnx.Rngs):
+        d, f = hidden_size, intermediate_size
+        self.dtype = dtype
+        self.gate_proj = _normal(rngs, (d, f), d, param_dtype)  # [D, F]
+        self.up_proj = _normal(rngs, (d, f), d, param_dtype)  # [D, F]
+        self.down_proj = _normal(rngs, (f, d), f, param_dtype)  # [F, D]
 
     def __call__(self, x):
         dt = self.dtype
@@ -169,7 +169,7 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(c, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps,
                                                 param_dtype=c.param_dtype, dtype=c.dtype)
-        self.mlp = MLP(c, rngs=rngs)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs)
 
     def __call__(self, x, positions, kv_cache, attn_metadata, attention):
         attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn_metadata, attention)
