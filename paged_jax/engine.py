@@ -70,9 +70,9 @@ class EngineConfig:
     interpret: bool = False  # Pallas in interpret mode (CPU tests of the kernel path)
     long_prefill_token_threshold: int = 0
     seed: int = 0  # weights of embedded models, and unseeded sampling
-    # Decoder layers per compiled program (runner.py): None picks up to 6 (fast start-up,
-    # steps measured 1.04-1.09x the unrolled program); the layer count compiles them all into
-    # one program (the unrolled step time, several times the compile time per bucket).
+    # Decoder layers per compiled program (runner.py): None picks up to 6 (fast start-up; steps
+    # measured 1.01-1.03x the unrolled program, docs/BENCHMARKS.md section 10); the layer count
+    # compiles them all into one program (several times the compile time per bucket).
     layers_per_program: int | None = None
     warm_up: str | bool = "background"  # one of WARM_UP_MODES (True: "full", False: "none")
     # jax's persistent compilation cache (paged_jax/compile_cache.py); None leaves it off.
