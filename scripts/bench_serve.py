@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -73,6 +74,35 @@ def offline_vocab(model: str) -> int:
     from models.registry import load_tokenizer
 
     return load_tokenizer(model).vocab_size
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc), 0 where it is not readable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_processes(pid: int) -> list[int]:
+    """The server process and the processes it spawned (its engine process)."""
+    children = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return [pid, *children]
+
+
+def cpu_split(server_pid: int) -> tuple[float, ...]:
+    """CPU seconds so far of: the HTTP process, its children (the engine process), this client."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    http, *rest = server_processes(server_pid)
+    return process_cpu_s(http), sum(process_cpu_s(c) for c in rest), own.ru_utime + own.ru_stime
 
 
 def percentile(xs, q):
@@ -134,6 +164,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--saturation-requests", type=int, default=None,
+                        help="requests of each saturation turn (default --requests); more amortise the ramp-up")
     parser.add_argument("--saturation-reps", type=int, default=3,
                         help="turns of server vs LLM.generate at saturation (medians are compared)")
     parser.add_argument("--quick", action="store_true", help="16 requests per rate, rates 4,inf, 32 tokens")
@@ -164,9 +196,9 @@ def main(argv=None) -> int:
                                env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     server = subprocess.Popen([sys.executable, "-m", "paged_jax", "serve", *engine_flags, "--port", str(port)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    rows, turns = [], []
+    rows, turns, cores = [], [], []
     saturation_prompts = [rng.integers(3, vocab - 8, int(rng.integers(64, 257))).tolist()
-                          for _ in range(args.requests)]
+                          for _ in range(args.saturation_requests or args.requests)]
     try:
         deadline = time.time() + TIME_LIMIT_S
         while not healthy(url):
@@ -178,8 +210,13 @@ def main(argv=None) -> int:
             rows.append(asyncio.run(run_rate(url, args.model, prompts, args.max_tokens, rate, args.seed)))
             print(f"rate {rate}: {rows[-1]['output_token_throughput']:.1f} tok/s", flush=True)
         for _ in range(args.saturation_reps):
+            before, start = cpu_split(server.pid), time.perf_counter()
             served = asyncio.run(run_rate(url, args.model, saturation_prompts, args.max_tokens, float("inf"),
                                           args.seed))["output_token_throughput"]
+            # Cores each process kept busy during the server's turn: on a small machine the HTTP
+            # process and this client take CPU the engine process then lacks.
+            wall = time.perf_counter() - start
+            cores.append([(b - a) / wall for a, b in zip(before, cpu_split(server.pid))])
             offline.stdin.write(json.dumps(saturation_prompts) + "\n")
             offline.stdin.flush()
             turns.append((served, float(offline.stdout.readline())))
@@ -198,13 +235,17 @@ def main(argv=None) -> int:
                 [[f"{r['rate']:g}", f"{r['request_throughput']:.2f}", f"{r['output_token_throughput']:.1f}",
                   f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f}", f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f}",
                   f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f}"] for r in rows])
-    print_table(f"saturation, {args.requests} requests at once: the server and LLM.generate (same engine flags, "
+    print_table(f"saturation, {len(saturation_prompts)} requests at once: the server and LLM.generate (same engine flags, "
                 "same prompts, warm) take turns", ["turn", "server tok/s", "LLM.generate tok/s", "ratio"],
                 [[str(i + 1), f"{a:.1f}", f"{b:.1f}", f"{a / b:.0%}"] for i, (a, b) in enumerate(turns)])
+    print_table(f"cores kept busy during the server's saturation turns ({os.cpu_count()} on this machine)",
+                ["turn", "HTTP process", "engine process", "benchmark client", "total"],
+                [[str(i + 1), *(f"{x:.2f}" for x in c), f"{sum(c):.2f}"] for i, c in enumerate(cores)])
     print(f"saturation, medians of {len(turns)} turns: server {served:.1f} tok/s vs LLM.generate {generated:.1f} "
           f"tok/s = {ratio:.0%} (target >= 90%); the server's compilations: {compiles:g}")
     result = {"command": command_line(), "machine": machine_info(), "model": args.model,
               "max_tokens": args.max_tokens, "rows": rows, "saturation_turns": turns,
+              "saturation_cores_http_engine_client": cores,
               "server_tokens_per_s": served, "offline_tokens_per_s": generated, "saturation_vs_offline": ratio}
     write_json(os.path.join(REPO, "results", f"bench_serve_{os.path.basename(args.model)}"
                                              f"{'_quick' if args.quick else ''}.json"), result)
