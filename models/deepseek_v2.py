@@ -38,7 +38,7 @@ from flax import nnx
 
 from models.deepseek_v2_config import PRESETS, DeepseekV2Config, YarnRopeScaling
 from models.kv_cache_spec import MLAAttentionSpec
-from models.layers import MLP, RMSNorm
+from models.layers import MLP, CausalLM, PreNormBlock, RMSNorm
 
 __all__ = ["PRESETS", "DeepseekV2Config", "DeepseekV2ForCausalLM", "YarnRopeScaling"]
 
@@ -210,8 +210,8 @@ class MoE(nnx.Module):
         return out.reshape(shape)
 
 
-class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: x + mla(norm(x)), then x + mlp(norm(x)) (dense MLP or MoE)."""
+class DecoderLayer(PreNormBlock):
+    """DeepSeek-V2's block: MLA, then a dense MLP or MoE (PreNormBlock's residual wiring)."""
 
     def __init__(self, config: DeepseekV2Config, layer_id: int, *, rngs: nnx.Rngs):
         c = config
@@ -221,19 +221,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = norm()
         self.mlp = (MoE(c, rngs=rngs) if c.is_moe_layer(layer_id)
                     else MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype, dtype=c.dtype,
-                                  rngs=rngs))
-
-    def __call__(self, x, positions, kv_cache, attn_metadata, attention):
-        attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn_metadata, attention)
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
-
-    def dense(self, x, positions):
-        x = x + self.self_attn.dense(self.input_layernorm(x), positions)
-        return x + self.mlp(self.post_attention_layernorm(x))
+                              rngs=rngs))
 
 
-class DeepseekV2ForCausalLM(nnx.Module):
+class DeepseekV2ForCausalLM(CausalLM):
     """Embedding -> num_layers decoder layers -> final RMSNorm -> lm_head (or the tied embedding)."""
 
     def __init__(self, config: DeepseekV2Config, *, rngs: nnx.Rngs):
@@ -246,14 +237,6 @@ class DeepseekV2ForCausalLM(nnx.Module):
         self.lm_head = None if c.tie_word_embeddings else _normal(rngs, (c.vocab_size, c.hidden_size), c.hidden_size,
                                                                  c.param_dtype)  # [V, D]
 
-    def _embed(self, token_ids):
-        return jnp.take(self.embed_tokens[...], token_ids, axis=0).astype(self.config.dtype)
-
-    def _logits(self, x):
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return jnp.einsum("...D,VD->...V", self.norm(x), head[...].astype(self.config.dtype),
-                          preferred_element_type=jnp.float32).astype(jnp.float32)
-
     def kv_cache_specs(self, dtype=None, kv_cache_dtype: str = "auto",
                        kv_cache_scaling: str = "per_token") -> tuple[MLAAttentionSpec, ...]:
         """One spec per layer: the latent and the rope key (dtype defaults to the compute dtype).
@@ -264,32 +247,3 @@ class DeepseekV2ForCausalLM(nnx.Module):
                              "model's dtype only; use kv_cache_dtype='auto'")
         c = self.config
         return (MLAAttentionSpec(c.kv_lora_rank, c.qk_rope_head_dim, str(jnp.dtype(dtype or c.dtype))),) * c.num_layers
-
-    def embed(self, token_ids):
-        """[T, D] hidden states from token_ids i32[T]."""
-        return self._embed(token_ids)
-
-    def compute_logits(self, x, inputs):
-        """f32[S, V] logits of the rows inputs.logits_indices i32[S] selects from x [T, D]."""
-        return self._logits(jnp.take(x, inputs.logits_indices, axis=0))
-
-    def __call__(self, inputs, kv_caches, attn_metadata, attention):
-        """One engine step (embed, every layer, compute_logits); see LlamaForCausalLM.__call__ for the args."""
-        if len(kv_caches) != self.config.num_layers:
-            raise ValueError(f"got {len(kv_caches)} layer caches for {self.config.num_layers} layers; "
-                             "build them with models.kv_cache_spec.init_kv_caches(model.kv_cache_specs(), ...)")
-        x = self.embed(inputs.token_ids)
-        new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer(x, inputs.positions, kv_cache, attn_metadata, attention)
-            new_caches.append(kv_cache)
-        return self.compute_logits(x, inputs), new_caches
-
-    def dense_forward(self, token_ids):
-        """Full causal forward with no cache: token_ids i32[B, S] -> f32[B, S, V] logits."""
-        b, s = token_ids.shape
-        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        x = self._embed(token_ids)
-        for layer in self.layers:
-            x = layer.dense(x, positions)
-        return self._logits(x)

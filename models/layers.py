@@ -160,16 +160,12 @@ class MLP(nnx.Module):
         return jnp.einsum("...F,FD->...D", jax.nn.silu(gate) * up, self.down_proj[...].astype(dt))
 
 
-class DecoderLayer(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+class PreNormBlock(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-        c = config
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
-        self.self_attn = Attention(c, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps,
-                                                param_dtype=c.param_dtype, dtype=c.dtype)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs)
+    A family's layer builds input_layernorm, self_attn (its attention: called on the paged
+    cache, and .dense for the no-cache reference), post_attention_layernorm and mlp.
+    """
 
     def __call__(self, x, positions, kv_cache, attn_metadata, attention):
         attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, attn_metadata, attention)
@@ -179,3 +175,76 @@ class DecoderLayer(nnx.Module):
     def dense(self, x, positions):
         x = x + self.self_attn.dense(self.input_layernorm(x), positions)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLayer(PreNormBlock):
+    """Llama's block: GQA attention and a SwiGLU MLP."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
+        self.self_attn = Attention(c, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps,
+                                                param_dtype=c.param_dtype, dtype=c.dtype)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs)
+
+
+class CausalLM(nnx.Module):
+    """Embedding -> layers -> final norm -> lm_head (or the tied embedding): the stages the
+    runner compiles, their composition and the no-cache reference, shared by the families.
+
+    A family's model sets config (dtype, num_layers), embed_tokens [V, D], layers (each a
+    PreNormBlock), norm and lm_head ([V, D] or None when tied), and its kv_cache_specs.
+    """
+
+    def _embed(self, token_ids):
+        return jnp.take(self.embed_tokens[...], token_ids, axis=0).astype(self.config.dtype)
+
+    def _logits(self, x):
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return jnp.einsum("...D,VD->...V", self.norm(x), head[...].astype(self.config.dtype),
+                          preferred_element_type=jnp.float32).astype(jnp.float32)
+
+    def embed(self, token_ids):
+        """The step's hidden states before the first layer: [T, D] from token_ids i32[T]."""
+        return self._embed(token_ids)
+
+    def compute_logits(self, x, inputs):
+        """f32[S, V] logits of the rows inputs.logits_indices i32[S] selects from x [T, D]."""
+        # Only the sampled rows reach lm_head: [S, D] @ [D, V] instead of [T, D] @ [D, V].
+        return self._logits(jnp.take(x, inputs.logits_indices, axis=0))
+
+    def __call__(self, inputs, kv_caches, attn_metadata, attention):
+        """One engine step: embed, every layer, compute_logits.
+
+        The runner runs the same three stages as separate programs, so that one compiled
+        program serves every group of layers (paged_jax/runner.py); this composition is their
+        reference.
+
+        Args:
+          inputs: a paged_jax.core.step_inputs.ModelInputs: token_ids i32[T] (all scheduled
+            tokens concatenated, padding included), positions i32[T], logits_indices i32[S].
+          kv_caches: one cache per layer, as kv_cache_specs() lays it out.
+          attn_metadata: a paged_jax.core.step_inputs.AttentionMetadata (read by `attention` only).
+          attention: the runner's attention backend for these specs (static under jit).
+        Returns:
+          (f32[S, V] logits of the rows logits_indices selects, the updated kv_caches).
+        """
+        if len(kv_caches) != self.config.num_layers:
+            raise ValueError(f"got {len(kv_caches)} layer caches for {self.config.num_layers} layers; "
+                             "build them with models.kv_cache_spec.init_kv_caches(model.kv_cache_specs(), ...)")
+        x = self.embed(inputs.token_ids)  # [T, D]
+        new_caches = []
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, kv_cache = layer(x, inputs.positions, kv_cache, attn_metadata, attention)
+            new_caches.append(kv_cache)
+        return self.compute_logits(x, inputs), new_caches
+
+    def dense_forward(self, token_ids):
+        """Full causal forward with no cache: token_ids i32[B, S] -> f32[B, S, V] logits."""
+        b, s = token_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        x = self._embed(token_ids)  # [B, S, D]
+        for layer in self.layers:
+            x = layer.dense(x, positions)
+        return self._logits(x)
