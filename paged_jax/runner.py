@@ -18,8 +18,9 @@ decode step), and would put every cache in one buffer that the loop reads while 
 Each layer call takes its layers' (k_cache, v_cache) pairs as donated arguments and returns
 them, so XLA updates the caches in place (no second cache-sized buffer; tests check the
 compiled executables). StepInputs crosses to the device once per step, packed into one i32
-vector (pack_step_inputs: one host-to-device copy instead of one per field, 35 vs 205 us on
-this CPU); every program unpacks the fields it reads with static slices.
+vector (pack_step_inputs: one host-to-device copy instead of one per field, 38 vs 201 us on
+this CPU, scripts/bench_runner_overheads.py); every program unpacks the fields it reads with
+static slices.
 
 Compilation (`warm_up`, `start_warm_up`): a bucket's programs are compiled ahead of time,
 smallest bucket first; all buckets before serving (warm_up()), or the smallest one now and
@@ -255,9 +256,10 @@ class ModelRunner:
             # model object keeps its own, so data-parallel replicas can share one model.
             self.layer_params = [shard_params(params, mesh) for params in self.layer_params]
             self.head_params = shard_params(self.head_params, mesh)
-        # jax zeroes a new buffer before it returns it (3 GB took 1.5-3.5 s on this CPU), so the
-        # pool is made on a thread of its own while the first bucket compiles or loads from
-        # the compilation cache; the first use of kv_caches waits for it.
+        # jax zeroes a new buffer before it returns it (a 2.8 GiB pool: 0.65 s on this idle CPU,
+        # scripts/bench_runner_overheads.py), so the pool is made on a thread of its own while
+        # the first bucket compiles or loads from the compilation cache; the first use of
+        # kv_caches waits for it.
         self._kv_caches: list | None = None
         self._kv_caches_ready = concurrent.futures.Future()
         threading.Thread(target=self._init_kv_caches, name="paged-jax-kv-pool", daemon=True).start()
