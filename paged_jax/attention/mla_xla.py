@@ -32,9 +32,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from paged_jax.attention.xla import CONTEXT_CHUNK_TOKENS, DECODE_GROUP, MASK_VALUE, PREFILL_GROUP, PREFILL_QUERY_BLOCK
+from paged_jax.attention.xla import (CONTEXT_CHUNK_TOKENS, DECODE_GROUP, MASK_VALUE, PREFILL_GROUP, PREFILL_QUERY_BLOCK,
+                                     attend_in_blocks)
 from pallas_kernels.mla_attention import FORMS, check_mla_args
-from pallas_kernels.ragged_batch import cdiv, max_prefill_blocks, query_blocks, ragged_batch, split_decodes_and_prefills
+from pallas_kernels.ragged_batch import cdiv, max_prefill_blocks, ragged_batch, split_decodes_and_prefills
 
 
 def _attend_group(queries, c_kv_cache, k_rope_cache, w_uk, w_uv, tables, q_pos0, num_rows, row_token, sm_scale,
@@ -105,35 +106,13 @@ def _attend_group(queries, c_kv_cache, k_rope_cache, w_uk, w_uv, tables, q_pos0,
 def _attend_blocks(out, queries, c_kv_cache, k_rope_cache, w_uk, w_uv, block_tables, batch, q_lens, sm_scale, *,
                    form, block_q, num_blocks, group_blocks):
     """Attention for the tokens of `q_lens` (a subset of the batch), scattered into out [T, N, V]."""
-    num_tokens = out.shape[0]
-    block_size = c_kv_cache.shape[1]
-    max_blocks_per_seq = block_tables.shape[1]
-    blocks = query_blocks(batch, q_lens, cdiv(num_blocks, group_blocks) * group_blocks, block_q)
-    if block_q == 1:  # decodes longest context first, so a group's members need similar chunk counts
-        order = jnp.argsort(jnp.where(blocks.num_rows > 0, -batch.seq_lens[blocks.seq], 1))
-        blocks = blocks._replace(seq=blocks.seq[order], row_token=blocks.row_token[order],
-                                 q_pos0=blocks.q_pos0[order], num_rows=blocks.num_rows[order])
-    valid = jnp.arange(block_q)[None, :] < blocks.num_rows[:, None]
-    dest = jnp.where(valid, blocks.row_token, num_tokens)  # rows without a query are dropped
-    chunk_pages = min(max_blocks_per_seq, max(1, CONTEXT_CHUNK_TOKENS // block_size))
-    tables = jnp.pad(block_tables, ((0, 0), (0, cdiv(max_blocks_per_seq, chunk_pages) * chunk_pages
-                                             - max_blocks_per_seq)))  # whole chunks of null pages
 
-    def run_groups(out, first_block, num_groups, size):
-        def group_step(g, out):
-            take = functools.partial(lax.dynamic_slice_in_dim, start_index=first_block + g * size, slice_size=size)
-            out_g = _attend_group(queries, c_kv_cache, k_rope_cache, w_uk, w_uv, tables[take(blocks.seq)],
-                                  take(blocks.q_pos0), take(blocks.num_rows), take(blocks.row_token), sm_scale, form)
-            return out.at[take(dest)].set(out_g.astype(out.dtype), mode="drop")
+    def attend_group(tables, q_pos0, num_rows, row_token):
+        return _attend_group(queries, c_kv_cache, k_rope_cache, w_uk, w_uv, tables, q_pos0, num_rows, row_token,
+                             sm_scale, form)
 
-        return lax.fori_loop(0, num_groups, group_step, out)
-
-    num_real_blocks = jnp.sum(cdiv(q_lens, block_q))
-    if block_q == 1:
-        return run_groups(out, 0, cdiv(num_real_blocks, group_blocks), group_blocks)
-    num_full_groups = num_real_blocks // group_blocks
-    out = run_groups(out, 0, num_full_groups, group_blocks)
-    return run_groups(out, num_full_groups * group_blocks, num_real_blocks % group_blocks, 1)
+    return attend_in_blocks(out, attend_group, block_tables, batch, q_lens, block_size=c_kv_cache.shape[1],
+                            block_q=block_q, num_blocks=num_blocks, group_blocks=group_blocks)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "decode_form", "prefill_form"))

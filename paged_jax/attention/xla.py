@@ -110,15 +110,17 @@ def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_s
     return out.transpose(0, 3, 1, 2, 4).reshape(num_blocks_g, block_q, num_q_heads, head_dim)
 
 
-def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_scale, *, block_q, num_blocks,
-                   group_blocks, k_scale=None, v_scale=None, fmt=None):
-    """Attention for the tokens of `q_lens` (a subset of the batch), blocks of block_q rows.
+def attend_in_blocks(out, attend_group, block_tables, batch, q_lens, *, block_size, block_q, num_blocks,
+                     group_blocks):
+    """Attention for the tokens of `q_lens` (a subset of the batch), blocks of block_q rows,
+    group_blocks blocks at a time (the walk both the GQA and the MLA XLA paths share).
 
-    Each group's rows are scattered straight into `out` ([num_tokens, num_q_heads, head_dim])
-    at their token rows, so no block-layout buffer of the static worst case is kept.
+    attend_group(tables [blocks, W], q_pos0 i32[blocks], num_rows i32[blocks], row_token
+    i32[blocks, Q]) -> [blocks, Q, heads, dim] computes one group; its rows are scattered
+    straight into `out` ([num_tokens, heads, dim]) at their token rows, so no block-layout
+    buffer of the static worst case is kept.
     """
-    num_tokens = q.shape[0]
-    block_size = k_cache.shape[1]
+    num_tokens = out.shape[0]
     max_blocks_per_seq = block_tables.shape[1]
     num_groups = cdiv(num_blocks, group_blocks)
     blocks = query_blocks(batch, q_lens, num_groups * group_blocks, block_q)
@@ -139,8 +141,8 @@ def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_sca
     def run_groups(out, first_block, num_groups, size):
         def group_step(g, out):
             take = functools.partial(lax.dynamic_slice_in_dim, start_index=first_block + g * size, slice_size=size)
-            out_g = _attend_group(q, k_cache, v_cache, tables[take(blocks.seq)], take(blocks.q_pos0),
-                                  take(blocks.num_rows), take(blocks.row_token), sm_scale, k_scale, v_scale, fmt)
+            out_g = attend_group(tables[take(blocks.seq)], take(blocks.q_pos0), take(blocks.num_rows),
+                                 take(blocks.row_token))
             return out.at[take(dest)].set(out_g.astype(out.dtype), mode="drop")
 
         return lax.fori_loop(0, num_groups, group_step, out)
@@ -159,6 +161,17 @@ def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_sca
     num_full_groups = num_real_blocks // group_blocks
     out = run_groups(out, 0, num_full_groups, group_blocks)
     return run_groups(out, num_full_groups * group_blocks, num_real_blocks % group_blocks, 1)
+
+
+def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_scale, *, block_q, num_blocks,
+                   group_blocks, k_scale=None, v_scale=None, fmt=None):
+    """GQA attention for the tokens of `q_lens`, scattered into out [num_tokens, num_q_heads, head_dim]."""
+
+    def attend_group(tables, q_pos0, num_rows, row_token):
+        return _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_scale, k_scale, v_scale, fmt)
+
+    return attend_in_blocks(out, attend_group, block_tables, batch, q_lens, block_size=k_cache.shape[1],
+                            block_q=block_q, num_blocks=num_blocks, group_blocks=group_blocks)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "kv_cache_dtype"))
