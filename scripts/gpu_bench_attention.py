@@ -37,6 +37,23 @@ TINY = dict(num_seqs=4, context=64, num_q_heads=8, num_kv_heads=2, head_dim=64, 
             prefill_tokens=16, prefill_context=48, copy_bytes=1 << 20)
 
 
+def time_per_call(fn, *args, dry: bool = False) -> float:
+    """Seconds per call: async back-to-back launches, median of 3 trials (host overlap hidden)."""
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    once = time.perf_counter() - start
+    iters = 1 if dry else max(3, min(200, int(0.05 / max(once, 1e-6))))
+    trials = []
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        trials.append((time.perf_counter() - start) / iters)
+    return float(np.median(trials))
+
+
 class Bench:
     def __init__(self, args):
         self.dry = args.dry_run
@@ -54,20 +71,7 @@ class Bench:
         return self.compiled[config]
 
     def time_s(self, fn, *args):
-        """Seconds per call: async back-to-back launches, median of 3 trials (host overlap hidden)."""
-        jax.block_until_ready(fn(*args))  # compile and warm up
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        once = time.perf_counter() - start
-        iters = 1 if self.dry else max(3, min(200, int(0.05 / max(once, 1e-6))))
-        trials = []
-        for _ in range(3):
-            start = time.perf_counter()
-            for _ in range(iters):
-                out = fn(*args)
-            jax.block_until_ready(out)
-            trials.append((time.perf_counter() - start) / iters)
-        return float(np.median(trials))
+        return time_per_call(fn, *args, dry=self.dry)
 
     def over_budget(self):
         return time.monotonic() > self.deadline

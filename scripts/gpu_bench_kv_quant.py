@@ -18,12 +18,12 @@ import argparse
 import functools
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gpu_bench_attention import time_per_call
 from paged_jax.attention.xla import ragged_paged_attention_xla
 from paged_jax.core.kv_quant import FORMATS
 from pallas_kernels.kv_cache_write import quantize_rows, values_to_pages
@@ -31,20 +31,6 @@ from pallas_kernels.paged_attention import ragged_paged_attention
 
 FULL = dict(num_seqs=64, context=4096, num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16)
 TINY = dict(num_seqs=4, context=64, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16)
-
-
-def time_s(fn, *args, dry):
-    """Seconds per call: back-to-back launches, median of 3 trials."""
-    jax.block_until_ready(fn(*args))
-    iters = 1 if dry else 20
-    trials = []
-    for _ in range(3):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        trials.append((time.perf_counter() - start) / iters)
-    return float(np.median(trials))
 
 
 def main():
@@ -78,7 +64,7 @@ def main():
             scales = dict(k_scale=ks, v_scale=vs, kv_cache_dtype=name)
         fn = jax.jit(functools.partial(ragged_paged_attention, interpret=interpret, **scales))
         args_ = (q, k_pages, v_pages, tables, seq_lens, qsl, num_seqs)
-        seconds = time_s(fn, *args_, dry=args.dry_run)
+        seconds = time_per_call(fn, *args_, dry=args.dry_run)
         out = fn(*args_)
         ref = jax.jit(functools.partial(ragged_paged_attention_xla, **scales))(*args_)
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
