@@ -70,7 +70,8 @@ class ProcessCore:
         starting, and from the reader thread for buckets compiled in the background).
     Raises ValueError for a bad configuration (what LLMEngine raised, in the engine process),
     EngineProcessError if the process failed otherwise or exited.
-    Attributes: max_model_len, eos_token_ids, stats (the latest engine stats).
+    Attributes: max_model_len, eos_token_ids, stats (the engine's stats when it was ready; the
+      AsyncEngine keeps the latest from each report).
     """
 
     def __init__(self, config, *, progress: Callable[[int, int], None] | None = None):
@@ -120,7 +121,6 @@ class ProcessCore:
                 while True:
                     message = self._messages.recv()
                     if message[0] == "report":
-                        self.stats = message[1].stats
                         report(message[1])
                     elif message[0] == "progress":
                         self._on_progress(*message[1:])
