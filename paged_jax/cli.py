@@ -122,6 +122,11 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
     h.add_argument("--max-waiting-requests", type=int, default=256,
                    help="queued requests beyond which new ones get HTTP 503")
+    h.add_argument("--reserved-cpus", type=int, default=None,
+                   help="on the CPU backend, cores the engine process leaves to the HTTP process "
+                        "(vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU; default: 1 on machines of 4 cores or "
+                        "more, else 0). On few cores a small model whose engine makes thousands of "
+                        "tokens/s serves more with 1 (docs/BENCHMARKS.md, section 11)")
     return parser
 
 
@@ -314,6 +319,17 @@ def chat(args, params, console: Console) -> int:
     return 0
 
 
+def _cpu_list(cpus) -> str:
+    """(0, 1, 2, 5) -> 'cores 0-2,5'."""
+    runs, start = [], None
+    for i, cpu in enumerate(cpus):
+        start = cpu if start is None else start
+        if i + 1 == len(cpus) or cpus[i + 1] != cpu + 1:
+            runs.append(str(cpu) if cpu == start else f"{start}-{cpu}")
+            start = None
+    return f"core{'s' if len(cpus) > 1 else ''} {','.join(runs)}"
+
+
 def serve(args, console: Console) -> int:
     from paged_jax.engine import EngineConfig
     from paged_jax.server import make_server
@@ -329,9 +345,13 @@ def serve(args, console: Console) -> int:
         # The engine runs in a process of its own (server/engine_core.py); this returns once it is warm.
         server = make_server(config, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
                              api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                             chat_template=chat_template, progress=_compile_progress(args, progress))
+                             chat_template=chat_template, progress=_compile_progress(args, progress),
+                             reserved_cpus=args.reserved_cpus)
+    core = server.engine.core
     console.print(f"paged-jax: serving {args.served_model_name or args.model} at http://{args.host}:{args.port}/v1 "
-                  f"(warm: {server.engine.stats['num_compilations']} buckets compiled)", highlight=False)
+                  f"(warm: {server.engine.stats['num_compilations']} buckets compiled; engine on "
+                  f"{_cpu_list(core.cpus)}{f', {core.reserved} left to HTTP' if core.reserved else ''})",
+                  highlight=False)
     server.run()
     return 0
 

@@ -37,9 +37,11 @@ TIME_LIMIT_S = 900  # the whole sweep stops by itself past this
 # The offline reference: one warm process that times LLM.generate on each JSON line of
 # prompts it reads (one run per line), so server and offline runs can alternate.
 OFFLINE = """
-import json, sys, time
-from paged_jax import LLM, SamplingParams
+import json, os, sys, time
 args = json.loads(sys.argv[1])
+if args["cpus"]:  # before jax starts its CPU client, as the server's engine process does
+    os.sched_setaffinity(0, args["cpus"])
+from paged_jax import LLM, SamplingParams
 flags = dict(zip(args["flags"][::2], args["flags"][1::2]))
 llm = LLM(flags["--model"], max_model_len=int(flags["--max-model-len"]), max_num_seqs=int(flags["--max-num-seqs"]),
           max_num_batched_tokens=int(flags["--max-num-batched-tokens"]), dtype=flags["--dtype"], warm_up="full")
@@ -109,13 +111,46 @@ def percentile(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
-async def run_rate(url: str, model: str, prompts, max_tokens: int, rate: float, seed: int) -> dict:
-    # A plain streaming HTTP client, as vLLM's benchmark_serving uses (aiohttp there): the
-    # openai client's per-chunk model parsing would cost this 2-core machine more CPU than
-    # the server's own work. httpx2 is what the openai client itself is built on.
-    import httpx2
+async def stream_completion(host: str, port: int, body: dict) -> tuple[list[float], int]:
+    """POSTs one streaming completion over a connection of its own; returns the arrival time of
+    each SSE chunk that carried tokens and the number of tokens.
 
-    client = httpx2.AsyncClient(timeout=600, limits=httpx2.Limits(max_connections=len(prompts)))
+    HTTP/1.1 on asyncio streams, parsing only what a streamed response needs (status line,
+    headers, chunked transfer coding, SSE events), as vLLM's benchmark_serving does with
+    aiohttp: the client shares this machine with the server, and every microsecond it spends
+    per chunk is taken from the server's processes (httpx's per-line iterators cost this
+    2-core machine ~0.6 of a core at saturation).
+    """
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (host.encode(), port, len(payload))
+                     + payload)
+        status = await reader.readline()
+        headers = (await reader.readuntil(b"\r\n\r\n")).lower()
+        if b" 200 " not in status:
+            raise AssertionError(f"{status!r}: {await reader.read()!r}")
+        if b"transfer-encoding: chunked" not in headers:
+            raise AssertionError(f"expected a chunked SSE response, got headers {headers!r}")
+        times, count, pending = [], 0, b""
+        while size := int((await reader.readline()).split(b";")[0], 16):
+            pending += (await reader.readexactly(size + 2))[:-2]  # the chunk and its CRLF
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if event.startswith(b"data: {"):
+                    choices = json.loads(event[6:])["choices"]
+                    n = len(choices[0].get("token_ids") or []) if choices else 0
+                    if n:
+                        times.append(time.perf_counter())
+                        count += n
+        return times, count
+    finally:
+        writer.close()
+
+
+async def run_rate(url: str, model: str, prompts, max_tokens: int, rate: float, seed: int) -> dict:
+    host, port = url.removeprefix("http://").split(":")
     rng = np.random.default_rng(seed)
     records = []
 
@@ -123,17 +158,7 @@ async def run_rate(url: str, model: str, prompts, max_tokens: int, rate: float, 
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
                 "ignore_eos": True, "return_token_ids": True}
         sent = time.perf_counter()
-        times, count = [], 0
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-            assert response.status_code == 200, await response.aread()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                choices = json.loads(line[6:])["choices"]
-                n = len(choices[0].get("token_ids") or []) if choices else 0
-                if n:
-                    times.append(time.perf_counter())
-                    count += n
+        times, count = await stream_completion(host, int(port), body)
         records.append((sent, times, count))
 
     start = time.perf_counter()
@@ -144,7 +169,6 @@ async def run_rate(url: str, model: str, prompts, max_tokens: int, rate: float, 
             await asyncio.sleep(float(rng.exponential(1.0 / rate)))
     await asyncio.wait_for(asyncio.gather(*tasks), TIME_LIMIT_S)
     elapsed = time.perf_counter() - start
-    await client.aclose()
     ttft = [times[0] - sent for sent, times, _ in records]
     tpot = [(times[-1] - times[0]) / (count - 1) for _, times, count in records if count > 1]
     itl = [b - a for _, times, _ in records for a, b in zip(times, times[1:])]
@@ -168,6 +192,8 @@ def main(argv=None) -> int:
                         help="requests of each saturation turn (default --requests); more amortise the ramp-up")
     parser.add_argument("--saturation-reps", type=int, default=3,
                         help="turns of server vs LLM.generate at saturation (medians are compared)")
+    parser.add_argument("--reserved-cpus", type=int, default=None,
+                        help="the server's --reserved-cpus (default: the server's own, one core while HTTP is busy)")
     parser.add_argument("--quick", action="store_true", help="16 requests per rate, rates 4,inf, 32 tokens")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -189,14 +215,20 @@ def main(argv=None) -> int:
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-    # The offline reference, LLM.generate with the same engine flags, warm in a process of its
-    # own; it and the server take turns on the saturation prompts (the machine is shared).
-    offline = subprocess.Popen([sys.executable, "-c", OFFLINE, json.dumps({"flags": engine_flags,
-                                                                           "max_tokens": args.max_tokens})],
-                               env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    server = subprocess.Popen([sys.executable, "-m", "paged_jax", "serve", *engine_flags, "--port", str(port)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    rows, turns, cores = [], [], []
+    # The offline references, LLM.generate with the same engine flags, each warm in a process of
+    # its own: on every core (as a user runs it) and on the cores the server's engine process
+    # keeps when it leaves the HTTP process one (--reserved-cpus 1, or the default under load).
+    # They and the server take turns on the saturation prompts (the machine is shared).
+    allowed = sorted(os.sched_getaffinity(0))
+    engine_cpus = allowed[:len(allowed) - (1 if args.reserved_cpus is None else args.reserved_cpus)] or allowed
+    offline = {name: subprocess.Popen([sys.executable, "-c", OFFLINE, json.dumps(
+        {"flags": engine_flags, "max_tokens": args.max_tokens, "cpus": cpus})], env=env, stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True) for name, cpus in (("all", None), ("engine", engine_cpus))}
+    server_flags = [] if args.reserved_cpus is None else ["--reserved-cpus", str(args.reserved_cpus)]
+    server = subprocess.Popen([sys.executable, "-m", "paged_jax", "serve", *engine_flags, *server_flags,
+                               "--port", str(port)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+    rows, turns, cores, reserved = [], [], [], []
     saturation_prompts = [rng.integers(3, vocab - 8, int(rng.integers(64, 257))).tolist()
                           for _ in range(args.saturation_requests or args.requests)]
     try:
@@ -205,7 +237,8 @@ def main(argv=None) -> int:
             if server.poll() is not None or time.time() > deadline:
                 raise SystemExit(f"the server did not start:\n{server.stdout.read()}")
             time.sleep(0.5)
-        assert offline.stdout.readline().strip() == "ready", "the offline reference did not start"
+        for process in offline.values():
+            assert process.stdout.readline().strip() == "ready", "an offline reference did not start"
         for rate, prompts in zip(rates, prompt_sets):
             rows.append(asyncio.run(run_rate(url, args.model, prompts, args.max_tokens, rate, args.seed)))
             print(f"rate {rate}: {rows[-1]['output_token_throughput']:.1f} tok/s", flush=True)
@@ -217,16 +250,21 @@ def main(argv=None) -> int:
             # process and this client take CPU the engine process then lacks.
             wall = time.perf_counter() - start
             cores.append([(b - a) / wall for a, b in zip(before, cpu_split(server.pid))])
-            offline.stdin.write(json.dumps(saturation_prompts) + "\n")
-            offline.stdin.flush()
-            turns.append((served, float(offline.stdout.readline())))
-            print(f"saturation: server {turns[-1][0]:.1f} vs LLM.generate {turns[-1][1]:.1f} tok/s", flush=True)
+            turn = [served]
+            for process in offline.values():
+                process.stdin.write(json.dumps(saturation_prompts) + "\n")
+                process.stdin.flush()
+                turn.append(float(process.stdout.readline()))
+            turns.append(tuple(turn))
+            reserved.append(metric(url, "paged_jax:engine_reserved_cpus"))
+            print(f"saturation: server {turn[0]:.1f} vs LLM.generate {turn[1]:.1f} (all cores), {turn[2]:.1f} "
+                  f"(fewer) tok/s; the engine leaves {reserved[-1]:g} core(s) to HTTP", flush=True)
         compiles = metric(url, "paged_jax:num_compilations")
     finally:
-        for process in (server, offline):
+        for process in (server, *offline.values()):
             process.terminate()
             process.wait(60)
-    served, generated = float(np.median([t[0] for t in turns])), float(np.median([t[1] for t in turns]))
+    served, generated, generated_pinned = (float(np.median([t[i] for t in turns])) for i in range(3))
     ratio = served / generated
 
     print_table(f"serving {args.model}: {args.requests} streaming requests per rate, 64-256 prompt tokens, "
@@ -235,18 +273,27 @@ def main(argv=None) -> int:
                 [[f"{r['rate']:g}", f"{r['request_throughput']:.2f}", f"{r['output_token_throughput']:.1f}",
                   f"{r['ttft_ms_p50']:.0f} / {r['ttft_ms_p99']:.0f}", f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p99']:.1f}",
                   f"{r['itl_ms_p50']:.1f} / {r['itl_ms_p99']:.1f}"] for r in rows])
-    print_table(f"saturation, {len(saturation_prompts)} requests at once: the server and LLM.generate (same engine flags, "
-                "same prompts, warm) take turns", ["turn", "server tok/s", "LLM.generate tok/s", "ratio"],
-                [[str(i + 1), f"{a:.1f}", f"{b:.1f}", f"{a / b:.0%}"] for i, (a, b) in enumerate(turns)])
+    cpus = f"cores {engine_cpus[0]}-{engine_cpus[-1]}" if len(engine_cpus) > 1 else f"core {engine_cpus[0]}"
+    print_table(f"saturation, {len(saturation_prompts)} requests at once: the server (--reserved-cpus "
+                f"{'default' if args.reserved_cpus is None else args.reserved_cpus}) and LLM.generate (same engine "
+                f"flags, same prompts, warm; on all {len(allowed)} cores, and on {cpus}) take turns",
+                ["turn", "server tok/s", "cores left to HTTP", "LLM.generate tok/s", "ratio",
+                 f"LLM.generate on {cpus}", "ratio"],
+                [[str(i + 1), f"{a:.1f}", f"{r:g}", f"{b:.1f}", f"{a / b:.0%}", f"{c:.1f}", f"{a / c:.0%}"]
+                 for i, ((a, b, c), r) in enumerate(zip(turns, reserved))])
     print_table(f"cores kept busy during the server's saturation turns ({os.cpu_count()} on this machine)",
                 ["turn", "HTTP process", "engine process", "benchmark client", "total"],
                 [[str(i + 1), *(f"{x:.2f}" for x in c), f"{sum(c):.2f}"] for i, c in enumerate(cores)])
     print(f"saturation, medians of {len(turns)} turns: server {served:.1f} tok/s vs LLM.generate {generated:.1f} "
-          f"tok/s = {ratio:.0%} (target >= 90%); the server's compilations: {compiles:g}")
+          f"tok/s = {ratio:.0%} (target >= 90%); vs LLM.generate on {cpus} {generated_pinned:.1f} tok/s "
+          f"= {served / generated_pinned:.0%}; the server's compilations: {compiles:g}")
     result = {"command": command_line(), "machine": machine_info(), "model": args.model,
               "max_tokens": args.max_tokens, "rows": rows, "saturation_turns": turns,
               "saturation_cores_http_engine_client": cores,
-              "server_tokens_per_s": served, "offline_tokens_per_s": generated, "saturation_vs_offline": ratio}
+              "reserved_cpus_flag": args.reserved_cpus, "engine_reserved_cpus_after_turns": reserved,
+              "offline_fewer_cpus": engine_cpus, "server_tokens_per_s": served, "offline_tokens_per_s": generated,
+              "saturation_vs_offline": ratio, "offline_engine_cpus_tokens_per_s": generated_pinned,
+              "saturation_vs_offline_engine_cpus": served / generated_pinned}
     write_json(os.path.join(REPO, "results", f"bench_serve_{os.path.basename(args.model)}"
                                              f"{'_quick' if args.quick else ''}.json"), result)
     return 0

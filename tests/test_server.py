@@ -91,6 +91,14 @@ def client(url, **kw):
     return openai.OpenAI(base_url=f"{url}/v1", api_key=kw.pop("api_key", "none"), timeout=TIMEOUT, max_retries=0)
 
 
+def metric_value(url, name: str) -> float:
+    """One sample of /metrics (the first series of that name)."""
+    for line in http(f"{url}/metrics")[1].splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} is not in /metrics")
+
+
 def wait_idle(engine, url, timeout=30.0):
     """Until /metrics says no request runs or waits and no KV block is in use."""
     deadline = time.time() + timeout
@@ -294,6 +302,19 @@ def _engine_processes(pid: int) -> list[int]:
     return spawned
 
 
+def test_reserved_cpus_is_checked():
+    from paged_jax.server.engine_core import check_reserved_cpus
+
+    allowed = len(os.sched_getaffinity(0))
+    for bad in (-1, allowed, allowed + 3):
+        with pytest.raises(ValueError, match=f"reserved_cpus={bad}: pass 0 to {allowed - 1}"):
+            check_reserved_cpus(bad)
+    for good in (None, 0, *range(1, allowed)):
+        check_reserved_cpus(good)
+    with pytest.raises(ValueError, match="reserved_cpus applies to an engine process of its own"):
+        make_server(big_llm(), port=0, reserved_cpus=1)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the engine process through /proc")
 def test_serve_runs_the_engine_in_its_own_process():
@@ -304,9 +325,10 @@ def test_serve_runs_the_engine_in_its_own_process():
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
+    reserved = 1 if len(os.sched_getaffinity(0)) >= 2 else 0
     server = subprocess.Popen([sys.executable, "-m", "paged_jax", "serve", "--model", "tiny", "--port", str(port),
                                "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
-                               "--max-num-batched-tokens", "64"],
+                               "--max-num-batched-tokens", "64", "--reserved-cpus", str(reserved)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 300
@@ -314,6 +336,10 @@ def test_serve_runs_the_engine_in_its_own_process():
             assert server.poll() is None and time.time() < deadline, f"serve did not start:\n{server.stdout.read()}"
             time.sleep(0.5)
         (engine_pid,) = _engine_processes(server.pid)
+        # --reserved-cpus 1: on the CPU backend the engine process leaves the last core to HTTP.
+        allowed = sorted(os.sched_getaffinity(server.pid))
+        assert sorted(os.sched_getaffinity(engine_pid)) == allowed[:len(allowed) - reserved]
+        assert metric_value(url, "paged_jax:engine_reserved_cpus") == reserved
         c = client(url)
         for prompt, sampling in CASES:
             ref = big_llm().generate([prompt], SamplingParams(ignore_eos=True, **sampling), use_tqdm=False)[0]

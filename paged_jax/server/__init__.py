@@ -26,13 +26,15 @@ class PagedJaxServer:
       llm: an LLM or LLMEngine (its loop runs on a thread here), or an EngineConfig (the
         engine is built and run in a process of its own; construction returns once it is
         ready, `progress(done, total)` following its bucket compilation).
+      reserved_cpus: with an EngineConfig, the cores its process leaves to this one on the CPU
+        backend (None: 1 on machines of 4 cores or more; server/engine_core.py says why).
     Attributes:
       app: the FastAPI app; engine: the AsyncEngine; metrics: the ServerMetrics.
     """
 
     def __init__(self, llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "tiny",
                  api_key: str | None = None, max_waiting_requests: int = 256, chat_template: str | None = None,
-                 log_level: str = "warning", progress=None):
+                 log_level: str = "warning", progress=None, reserved_cpus: int | None = None):
         from paged_jax.engine import EngineConfig, chat_prompt
 
         if max_waiting_requests < 0:
@@ -42,14 +44,18 @@ class PagedJaxServer:
             from paged_jax.server.engine_core import ProcessCore
 
             tokenizer = load_tokenizer(llm.model)  # before the engine process: a bad path fails fast
-            core = ProcessCore(llm, progress=progress)
+            core = ProcessCore(llm, progress=progress, reserved_cpus=reserved_cpus)
             max_model_len, eos_token_ids = core.max_model_len, core.eos_token_ids
         else:
+            if reserved_cpus is not None:
+                raise ValueError("reserved_cpus applies to an engine process of its own: pass an EngineConfig, "
+                                 "not an LLM object (whose engine shares this process)")
             engine = getattr(llm, "engine", llm)  # an LLM or an LLMEngine
             core = ThreadCore(engine)
             tokenizer, max_model_len, eos_token_ids = engine.tokenizer, engine.cache_config.max_model_len, \
                 engine.eos_token_ids
         self.metrics = ServerMetrics(model_name)
+        self.metrics.reserved_cpus.set_function(lambda: getattr(core, "reserved", 0))
         self.engine = AsyncEngine(core, max_waiting_requests=max_waiting_requests, metrics=self.metrics)
         render = functools.partial(chat_prompt, tokenizer, eos_token_ids, chat_template=chat_template)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import queue
 import threading
 import time
@@ -35,9 +34,12 @@ from typing import NamedTuple
 from paged_jax.core.request import SamplingParams
 
 
-@dataclasses.dataclass(frozen=True)
-class Delta:
-    """What one step added to one request."""
+class Delta(NamedTuple):
+    """What one step added to one request.
+
+    A NamedTuple: the engine process builds one per running request per step and pickles
+    them to the HTTP process, and a tuple is several times cheaper at both than a dataclass.
+    """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None
@@ -272,7 +274,14 @@ class AsyncEngine:
                 return
 
     def abort(self, request_id: str) -> None:
-        """Asks the engine to abort a request (a no-op if it already finished)."""
+        """Asks the engine to abort a request (a no-op if it already finished).
+
+        Every response aborts its request when it ends; one whose final delta has arrived is
+        skipped here, so a finished request costs the engine no command. One that finished in
+        the engine with its final delta still on the way gets an abort the engine ignores."""
+        with self._lock:
+            if request_id not in self._streams:
+                return
         self.core.submit(("abort", request_id))
 
     # the core's side (its loop thread, or the thread reading the engine process)
@@ -333,4 +342,4 @@ def _put_all(items) -> None:
 def _merge(a: Delta, b: Delta) -> Delta:
     """Two consecutive deltas of one request as one."""
     logprobs = None if a.logprobs is None or b.logprobs is None else a.logprobs + b.logprobs
-    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, logprobs=logprobs)
+    return b._replace(token_ids=a.token_ids + b.token_ids, logprobs=logprobs)

@@ -38,6 +38,8 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=self.registry).labels(**labels)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens of a request.",
                              list(labels), buckets=ITL_BUCKETS, registry=self.registry).labels(**labels)
+        self.reserved_cpus = gauge("paged_jax:engine_reserved_cpus",
+                                   "Cores the engine process leaves to the HTTP process (CPU backend).")
         self._model_name = model_name
 
     def on_step(self, stats: dict) -> None:
