@@ -294,8 +294,8 @@ def main(argv=None) -> int:
               "offline_fewer_cpus": engine_cpus, "server_tokens_per_s": served, "offline_tokens_per_s": generated,
               "saturation_vs_offline": ratio, "offline_engine_cpus_tokens_per_s": generated_pinned,
               "saturation_vs_offline_engine_cpus": served / generated_pinned}
-    write_json(os.path.join(REPO, "results", f"bench_serve_{os.path.basename(args.model)}"
-                                             f"{'_quick' if args.quick else ''}.json"), result)
+    suffix = ("" if args.reserved_cpus is None else f"_reserved{args.reserved_cpus}") + ("_quick" if args.quick else "")
+    write_json(os.path.join(REPO, "results", f"bench_serve_{os.path.basename(args.model)}{suffix}.json"), result)
     return 0
 
 
