@@ -3,8 +3,9 @@
 Two parts, as in vLLM V1 (API server + EngineCore):
 - EngineLoop owns the LLMEngine (not thread-safe; its step blocks in a jitted call). It
   takes commands (add, abort) from an inbox between steps, so an abort frees the request's
-  blocks before the next step, and after each round hands one Report (requests accepted
-  or rejected, each request's new tokens, the engine's stats) to a callback. It sleeps
+  blocks before the next step, and after each round (the commands, then one step) hands
+  one Report (requests accepted or rejected, each request's new tokens, the engine's
+  stats) to a callback. It sleeps
   when there is nothing to run.
 - AsyncEngine is the asyncio side: add_request returns the request's delta iterator, and
   each Report is fanned out to the requests' asyncio queues with one event-loop wake-up
@@ -95,19 +96,20 @@ class EngineLoop:
         engine = self.engine
         while not self._stop.is_set():
             accepted, rejected, deltas = self._drain_inbox()
-            if accepted or rejected or deltas:
-                self._report(Report(tuple(accepted), tuple(rejected), tuple(deltas), engine.get_stats()))
             if not engine.has_unfinished_requests():
+                if accepted or rejected or deltas:
+                    self._report(Report(tuple(accepted), tuple(rejected), tuple(deltas), engine.get_stats()))
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             try:
                 outputs = engine.step()
             except Exception as error:  # a bug or a device failure: fail what runs, keep serving
-                deltas = self._fail_all(f"engine step failed: {type(error).__name__}: {error}")
+                deltas += self._fail_all(f"engine step failed: {type(error).__name__}: {error}")
             else:
-                deltas = [self._delta(output) for output in outputs if output.request_id in self._num_sent]
-            self._report(Report((), (), tuple(deltas), engine.get_stats()))
+                deltas += [self._delta(output) for output in outputs if output.request_id in self._num_sent]
+            # One report a round: the adds it applied, then its step's tokens (one get_stats).
+            self._report(Report(tuple(accepted), tuple(rejected), tuple(deltas), engine.get_stats()))
         deltas = self._fail_all("the server is shutting down")
         if deltas:
             self._report(Report((), (), tuple(deltas), engine.get_stats()))
