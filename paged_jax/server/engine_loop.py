@@ -5,8 +5,7 @@ Two parts, as in vLLM V1 (API server + EngineCore):
   takes commands (add, abort) from an inbox between steps, so an abort frees the request's
   blocks before the next step, and after each round (the commands, then one step) hands
   one Report (requests accepted or rejected, each request's new tokens, the engine's
-  stats) to a callback. It sleeps
-  when there is nothing to run.
+  stats) to a callback. It sleeps when there is nothing to run.
 - AsyncEngine is the asyncio side: add_request returns the request's delta iterator, and
   each Report is fanned out to the requests' asyncio queues with one event-loop wake-up
   per report, not one per request.
