@@ -33,8 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention import (LOG2_E, MASK_VALUE, MIN_DOT_DIM, SHARED_MEMORY_BUDGET, _items_from_blocks,
-                                            _next_power_of_2, _token_rows)
+from pallas_kernels.paged_attention import (LOG2_E, MASK_VALUE, MIN_DOT_DIM, _items_from_blocks, _next_power_of_2,
+                                            _token_rows, online_softmax_step, run_online_softmax, split_pages)
 from pallas_kernels.ragged_batch import (cdiv, max_prefill_blocks, query_blocks, ragged_batch,
                                          split_decodes_and_prefills, token_sequence)
 
@@ -104,23 +104,12 @@ def _mla_kernel(
         c_kv = jnp.where(key_valid[:, None], c_kv, jnp.zeros((), c_kv.dtype))
         scores = (dot_t(q_latent, c_kv) + dot_t(q_rope, k_rope)) * scale_log2  # [rows, block_k]
         visible = key_valid[None, :] & (key_pos[None, :] <= row_pos)
-        scores = jnp.where(visible, scores, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, scores.max(axis=1))
-        correction = jnp.exp2(m_prev - m_next)
-        probs = jnp.exp2(scores - m_next[:, None])
-        l_next = l_prev * correction + probs.sum(axis=1)
+        m_next, l_next, correction, probs = online_softmax_step(m_prev, l_prev, jnp.where(visible, scores, MASK_VALUE))
         pv = lax.dot_general(probs.astype(c_kv.dtype), c_kv, (((1,), (0,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
         return m_next, l_next, acc_prev * correction[:, None] + pv
 
-    carry = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
-             jnp.zeros((rows, latent), jnp.float32))
-    m_final, l_final, acc = lax.fori_loop(0, num_steps, body, carry)
-    o_ref[...] = (acc / jnp.maximum(l_final, 1e-30)[:, None]).astype(o_ref.dtype)
-    if stat_refs:
-        m_ref, l_ref = stat_refs
-        m_ref[...] = m_final
-        l_ref[...] = l_final
+    run_online_softmax(body, num_steps, latent, o_ref, stat_refs)
 
 
 def _mla_call(q_latent_items, q_rope_items, c_kv_cache, k_rope_cache, item_tables, q_pos0, num_rows, *, num_heads,
@@ -135,12 +124,8 @@ def _mla_call(q_latent_items, q_rope_items, c_kv_cache, k_rope_cache, item_table
     rope = q_rope_items.shape[-1]
     num_blocks, block_size, _ = c_kv_cache.shape
     tile_bytes = num_stages * (latent + rope) * c_kv_cache.dtype.itemsize  # per key of block_k
-    while block_k > MIN_DOT_DIM and block_k * tile_bytes > SHARED_MEMORY_BUDGET:
-        block_k //= 2
-    pages_per_compute_block = max(MIN_DOT_DIM // block_size, 1,
-                                  min(block_k // block_size, _next_power_of_2(item_tables.shape[1])))
-    pages_per_split = cdiv(cdiv(item_tables.shape[1], num_splits), pages_per_compute_block) * pages_per_compute_block
-    item_tables = jnp.pad(item_tables, ((0, 0), (0, num_splits * pages_per_split - item_tables.shape[1])))
+    block_k, pages_per_compute_block, pages_per_split, item_tables = split_pages(
+        item_tables, block_k, block_size, num_splits, tile_bytes)
     split = num_splits > 1
     out_dtype = jnp.float32 if split else q_latent_items.dtype
     stat_shape = jax.ShapeDtypeStruct((num_items, num_splits, rows), jnp.float32)

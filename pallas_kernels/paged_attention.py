@@ -125,25 +125,54 @@ def _attention_kernel(
         if scaled:  # q . (k s) = (q . k) s per key
             scores = scores * ks_ref[pages].reshape(block_k)[None, :]
         visible = key_valid[None, :] & (key_pos[None, :] <= row_pos)
-        scores = jnp.where(visible, scores, MASK_VALUE)
-        m_next = jnp.maximum(m_prev, scores.max(axis=1))
-        correction = jnp.exp2(m_prev - m_next)
-        probs = jnp.exp2(scores - m_next[:, None])
-        l_next = l_prev * correction + probs.sum(axis=1)
+        m_next, l_next, correction, probs = online_softmax_step(m_prev, l_prev, jnp.where(visible, scores, MASK_VALUE))
         if scaled:  # sum_k p (v s) = sum_k (p s) v; unowned slots' scales may be NaN
             probs = probs * jnp.where(key_valid, vs_ref[pages].reshape(block_k), 0.0)[None, :]
         pv = lax.dot_general(probs.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32)
         return m_next, l_next, acc_prev * correction[:, None] + pv
 
+    run_online_softmax(body, num_steps, head_dim, o_ref, stat_refs)
+
+
+def online_softmax_step(m_prev, l_prev, scores):
+    """One key block of the online softmax, in log2 units (scores already times log2(e)):
+    (running max, running sum, the factor the accumulator is rescaled by, the block's
+    unnormalised probabilities) after scores f32[rows, block_k] (masked keys at MASK_VALUE)."""
+    m_next = jnp.maximum(m_prev, scores.max(axis=1))
+    correction = jnp.exp2(m_prev - m_next)
+    probs = jnp.exp2(scores - m_next[:, None])
+    return m_next, l_prev * correction + probs.sum(axis=1), correction, probs
+
+
+def run_online_softmax(body, num_steps, width: int, o_ref, stat_refs) -> None:
+    """Runs body(step, (m, l, acc)) over the key blocks from the empty state, writes the
+    normalised output into o_ref [rows, width] and, when the context is split, the split's
+    (m, l) into stat_refs for the logsumexp combine (every kernel of this package)."""
+    rows = o_ref.shape[0]
     carry = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
-             jnp.zeros((rows, head_dim), jnp.float32))
+             jnp.zeros((rows, width), jnp.float32))
     m_final, l_final, acc = lax.fori_loop(0, num_steps, body, carry)
     o_ref[...] = (acc / jnp.maximum(l_final, 1e-30)[:, None]).astype(o_ref.dtype)
     if stat_refs:
         m_ref, l_ref = stat_refs
         m_ref[...] = m_final
         l_ref[...] = l_final
+
+
+def split_pages(item_tables, block_k: int, block_size: int, num_splits: int, tile_bytes: int):
+    """Key-block geometry of a launch: block_k halved until a pipelined tile (tile_bytes per
+    key) fits SHARED_MEMORY_BUDGET; pages per compute block (tl.dot needs >= 16 keys; short
+    tables need no more pages a step than they have); pages per split (whole compute blocks);
+    item_tables padded to whole splits with the null page, never -1.
+    Returns (block_k, pages_per_compute_block, pages_per_split, padded item_tables)."""
+    while block_k > MIN_DOT_DIM and block_k * tile_bytes > SHARED_MEMORY_BUDGET:
+        block_k //= 2
+    pages_per_compute_block = max(MIN_DOT_DIM // block_size, 1,
+                                  min(block_k // block_size, _next_power_of_2(item_tables.shape[1])))
+    pages_per_split = cdiv(cdiv(item_tables.shape[1], num_splits), pages_per_compute_block) * pages_per_compute_block
+    item_tables = jnp.pad(item_tables, ((0, 0), (0, num_splits * pages_per_split - item_tables.shape[1])))
+    return block_k, pages_per_compute_block, pages_per_split, item_tables
 
 
 def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *, group, sm_scale, num_splits,
@@ -158,14 +187,8 @@ def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *,
     num_blocks, block_size, _, _ = k_cache.shape
     scaled = k_scale is not None
     tile_bytes = 2 * num_stages * (head_dim * k_cache.dtype.itemsize + 4 * scaled)  # per key of block_k
-    while block_k > MIN_DOT_DIM and block_k * tile_bytes > SHARED_MEMORY_BUDGET:
-        block_k //= 2
-    # Short tables need no more pages per step than they have, but tl.dot needs >= 16 keys.
-    pages_per_compute_block = max(MIN_DOT_DIM // block_size, 1,
-                                  min(block_k // block_size, _next_power_of_2(item_tables.shape[1])))
-    pages_per_split = cdiv(cdiv(item_tables.shape[1], num_splits), pages_per_compute_block) * pages_per_compute_block
-    # Whole splits of whole compute blocks; the padding is the null page, never -1.
-    item_tables = jnp.pad(item_tables, ((0, 0), (0, num_splits * pages_per_split - item_tables.shape[1])))
+    block_k, pages_per_compute_block, pages_per_split, item_tables = split_pages(
+        item_tables, block_k, block_size, num_splits, tile_bytes)
     split = num_splits > 1
     out_dtype = jnp.float32 if split else q_items.dtype
     stat_shape = jax.ShapeDtypeStruct((num_items, num_splits, num_kv_heads, rows), jnp.float32)
