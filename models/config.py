@@ -19,6 +19,15 @@ _DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float1
                 "fp16": "float16", "half": "float16", "float": "float32"}
 
 
+def check_positive_ints(config, names) -> None:
+    """In a config's __post_init__: ValueError naming the first of `names` that is not a
+    positive int (bools excluded)."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+
+
 def normalize_token_ids_and_dtypes(config) -> None:
     """In a frozen config's __post_init__: eos_token_ids as a tuple of ints, BOS/EOS ids checked
     against vocab_size (ValueError naming the field), dtype and param_dtype as canonical names."""
@@ -116,11 +125,8 @@ class LlamaConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive int")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                   "num_kv_heads", "head_dim", "max_position_embeddings"))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} must be a multiple of num_kv_heads="
                              f"{self.num_kv_heads} (each kv head serves a whole group of query heads)")

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from models.config import canonical_dtype, normalize_token_ids_and_dtypes
+from models.config import canonical_dtype, check_positive_ints, normalize_token_ids_and_dtypes
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -136,11 +136,9 @@ class DeepseekV2Config:
     dtype: str = "float32"
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "kv_lora_rank",
-                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"{name}={value!r} must be a positive int")
+        check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                   "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                   "max_position_embeddings"))
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
             raise ValueError(f"q_lora_rank={self.q_lora_rank} must be a positive int or None (no query bottleneck)")
         if self.qk_rope_head_dim % 2:
