@@ -9,6 +9,7 @@ routing methods, and tied embeddings. Configs this model cannot serve are ValueE
 name the field.
 """
 
+import dataclasses
 import json
 import math
 
@@ -129,3 +130,12 @@ def test_unservable_config_is_a_value_error_naming_the_field(tmp_path, field, va
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("field, value", [("kv_lora_rank", 0), ("qk_rope_head_dim", -2), ("v_head_dim", True),
+                                          ("num_layers", 1.0)])
+def test_bad_size_names_the_field(field, value):
+    from models.deepseek_v2_config import PRESETS
+
+    with pytest.raises(ValueError, match=f"{field}={value!r} must be a positive int"):
+        dataclasses.replace(PRESETS["tiny-mla"], **{field: value})
