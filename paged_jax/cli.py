@@ -320,7 +320,9 @@ def chat(args, params, console: Console) -> int:
 
 
 def _cpu_list(cpus) -> str:
-    """(0, 1, 2, 5) -> 'cores 0-2,5'."""
+    """(0, 1, 2, 5) -> 'cores 0-2,5'; () (no per-process affinity on this OS) -> 'every core'."""
+    if not cpus:
+        return "every core"
     runs, start = [], None
     for i, cpu in enumerate(cpus):
         start = cpu if start is None else start

@@ -113,3 +113,12 @@ def test_offload_flags_reach_the_engine_config():
     assert result.returncode == 2 and "need a host tier: set offload_host_bytes" in result.stderr
     result = _cli("generate", "--prompt", "hi", "--offload-host-mib", "1", "--offload-disk-dir", "/tmp/x", timeout=120)
     assert result.returncode == 2 and "offload_disk_dir needs a fixed hash_seed" in result.stderr
+
+
+def test_serve_names_the_engine_cores_in_runs():
+    from paged_jax.cli import _cpu_list
+
+    assert _cpu_list((0, 1, 2, 5)) == "cores 0-2,5"
+    assert _cpu_list((3,)) == "core 3"
+    assert _cpu_list((0, 2, 4)) == "cores 0,2,4"
+    assert _cpu_list(()) == "every core"  # no per-process affinity on this OS
