@@ -60,6 +60,12 @@ from paged_jax.sharding import (SHARDED_CACHE_SPECS, TP_AXIS, ShardedAttention, 
 # Llama-3.1-8B in 100 GB of bf16 KV is ~50k blocks).
 MAX_AUTO_BLOCKS = 1 << 18
 
+# A pool sized without memory statistics (the CPU) holds at most this many bytes, and at least
+# one full-length sequence, as vLLM's CPU backend sizes its pool by VLLM_CPU_KVCACHE_SPACE and
+# not by the largest batch: room for every sequence at full length was 11 GiB of f32 zeros
+# for SmolLM2 (64 x 4096 tokens), 9 s of zeroing before a one-question `generate` could start.
+CPU_KV_CACHE_BYTES = 4 << 30
+
 
 def _default_layers_per_program(num_layers: int) -> int:
     """Consecutive layers one compiled layer program runs: the largest of 6..2 that divides
@@ -81,7 +87,8 @@ def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_m
     Precedence: num_blocks, else kv_cache_memory_bytes // bytes per block, else
     gpu_memory_utilization of the device's free memory (at most MAX_AUTO_BLOCKS). Devices
     that report no memory statistics (the CPU) get room for max_num_seqs full-length
-    sequences, the most the scheduler can ever hold at once, so nothing is preempted there
+    sequences, the most the scheduler can ever hold at once, up to CPU_KV_CACHE_BYTES (and
+    never less than one full-length sequence): below that budget nothing is preempted
     unless asked for.
     """
     tp = tensor_parallel_size
@@ -100,7 +107,8 @@ def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_m
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return max(2, min(int(free * gpu_memory_utilization) // per_block, MAX_AUTO_BLOCKS))
-    return max_num_seqs * -(-max_model_len // block_size) + 1
+    per_seq = -(-max_model_len // block_size)
+    return min(max_num_seqs * per_seq, max(per_seq, CPU_KV_CACHE_BYTES // per_block)) + 1
 
 
 # Blocks one page-copy program moves at most (a longer copy runs in chunks): 6 compiled sizes.

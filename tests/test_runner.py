@@ -25,8 +25,8 @@ from models.llama import LlamaConfig, LlamaForCausalLM
 from paged_jax import SamplingParams
 from paged_jax.engine import EngineConfig, LLMEngine
 from paged_jax.core.config import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, CacheConfig, SchedulerConfig
-from paged_jax.runner import (ModelRunner, num_blocks_for_budget, pack_step_inputs, stop_background_work,
-                              unpack_step_inputs)
+from paged_jax.runner import (CPU_KV_CACHE_BYTES, ModelRunner, num_blocks_for_budget, pack_step_inputs,
+                              stop_background_work, unpack_step_inputs)
 from paged_jax.runner import _default_layers_per_program as layers_per_program
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -188,8 +188,15 @@ def test_num_blocks_for_budget():
     assert num_blocks_for_budget(bf16_specs, BLOCK_SIZE, kv_cache_memory_bytes=10 * per_block, **kwargs) == 20
     with pytest.raises(ValueError, match=rf"holds 1 blocks of {per_block} bytes; give at least {2 * per_block}"):
         num_blocks_for_budget(specs, BLOCK_SIZE, kv_cache_memory_bytes=per_block, **kwargs)
-    if "bytes_limit" not in (jax.devices()[0].memory_stats() or {}):  # the CPU: room for every sequence
-        assert num_blocks_for_budget(specs, BLOCK_SIZE, **kwargs) == 8 * math.ceil(MAX_MODEL_LEN / BLOCK_SIZE) + 1
+    if "bytes_limit" not in (jax.devices()[0].memory_stats() or {}):
+        # the CPU: room for every sequence at full length, up to CPU_KV_CACHE_BYTES, never less than one
+        per_seq = math.ceil(MAX_MODEL_LEN / BLOCK_SIZE)
+        assert num_blocks_for_budget(specs, BLOCK_SIZE, **kwargs) == 8 * per_seq + 1
+        budget_blocks = CPU_KV_CACHE_BYTES // per_block
+        many = dict(max_num_seqs=10 * budget_blocks // per_seq, max_model_len=MAX_MODEL_LEN)
+        assert num_blocks_for_budget(specs, BLOCK_SIZE, **many) == budget_blocks + 1
+        long = dict(max_num_seqs=8, max_model_len=2 * BLOCK_SIZE * budget_blocks)
+        assert num_blocks_for_budget(specs, BLOCK_SIZE, **long) == 2 * budget_blocks + 1
 
 
 def test_runner_rejects_unknown_attention_impl():
