@@ -40,7 +40,8 @@ def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64,
     m.add_argument("--kv-cache-scaling", default="per_token", choices=KV_CACHE_SCALINGS,
                    help="scales of a quantized KV cache: per (token, KV head) beside the pages, or per tensor")
     m.add_argument("--block-size", type=int, default=16)
-    m.add_argument("--num-blocks", type=int, default=None, help="KV blocks incl. the null block (default: budget)")
+    m.add_argument("--num-blocks", type=int, default=None, help="KV blocks incl. the null block (default: 90%% of a GPU's free memory; on the CPU room "
+                        "for --max-num-seqs full-length sequences, at most 4 GiB)")
     m.add_argument("--max-model-len", type=int, default=None)
     m.add_argument("--max-num-seqs", type=int, default=default_max_num_seqs)
     m.add_argument("--max-num-batched-tokens", type=int, default=512)
