@@ -27,7 +27,7 @@ from paged_jax.core.kv_quant import KV_CACHE_DTYPES, KV_CACHE_SCALINGS
 from paged_jax.core.page_codec import STORAGE_DTYPES
 
 
-def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64,
+def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int | None = 64,
                      default_warm_up: str = "background") -> None:
     """The model, cache and compile-cache flags every subcommand shares."""
     m = p.add_argument_group("model and cache")
@@ -43,7 +43,8 @@ def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int = 64,
     m.add_argument("--num-blocks", type=int, default=None, help="KV blocks incl. the null block (default: 90%% of a GPU's free memory; on the CPU room "
                         "for --max-num-seqs full-length sequences, at most 4 GiB)")
     m.add_argument("--max-model-len", type=int, default=None)
-    m.add_argument("--max-num-seqs", type=int, default=default_max_num_seqs)
+    m.add_argument("--max-num-seqs", type=int, default=default_max_num_seqs,
+                   help=f"sequences in a step (default: {default_max_num_seqs or 'the number of prompts, at most 64'})")
     m.add_argument("--max-num-batched-tokens", type=int, default=512)
     m.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     m.add_argument("--attention-impl", choices=("xla", "pallas"), default=None,
@@ -101,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", help="a text file, one prompt per line (blank lines skipped)")
     src.add_argument("--chat", action="store_true",
                      help="send each prompt as a user message through the model's chat template")
-    _add_engine_args(g)
+    _add_engine_args(g, default_max_num_seqs=None)  # generate() sizes it by its prompts
     _add_sampling_args(g, max_tokens=64)
     o = g.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object per completion and the stats")
@@ -227,6 +228,11 @@ def _progress(console: Console, show: bool = True) -> Progress:
 
 
 def generate(args, params, prompts: list[str], console: Console) -> int:
+    if args.max_num_seqs is None:
+        # No step of this run holds more sequences than it has prompts: fewer sequence buckets
+        # to compile, and on the CPU a pool for that many (one question: 188 MiB for SmolLM2,
+        # not the 4 GiB of 64 sequences).
+        args.max_num_seqs = min(len(prompts), 64)
     # One bar over the buckets, from loading until generation ends: in background warm-up the
     # buckets keep compiling while the prompts run (generate's own bar would be a second
     # live display, which rich refuses, so it is off while this one shows).

@@ -122,3 +122,22 @@ def test_serve_names_the_engine_cores_in_runs():
     assert _cpu_list((3,)) == "core 3"
     assert _cpu_list((0, 2, 4)) == "cores 0,2,4"
     assert _cpu_list(()) == "every core"  # no per-process affinity on this OS
+
+
+def test_generate_runs_as_many_sequences_as_it_has_prompts(monkeypatch):
+    """No step of a generate run holds more sequences than it has prompts, so --max-num-seqs
+    defaults to their number (at most 64): fewer buckets, and on the CPU a pool for that many."""
+    from paged_jax import cli
+
+    class Built(Exception):
+        pass
+
+    def make_llm(args, progress):
+        raise Built(args.max_num_seqs)
+
+    monkeypatch.setattr(cli, "_make_llm", make_llm)
+    for argv, expected in ((["--prompt", "a", "--prompt", "b"], 2), (["--prompt", "a", "--max-num-seqs", "8"], 8),
+                           ([arg for i in range(70) for arg in ("--prompt", f"p{i}")], 64)):
+        with pytest.raises(Built) as built:
+            cli.main(["generate", *argv])
+        assert built.value.args == (expected,)
