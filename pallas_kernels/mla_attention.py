@@ -33,8 +33,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention import (LOG2_E, MASK_VALUE, MIN_DOT_DIM, _items_from_blocks, _next_power_of_2,
-                                            _token_rows, online_softmax_step, run_online_softmax, split_pages)
+from pallas_kernels.paged_attention import (LOG2_E, MASK_VALUE, MIN_DOT_DIM, PallasConfig, _items_from_blocks,
+                                            _next_power_of_2, _token_rows, online_softmax_step, run_online_softmax,
+                                            split_pages)
 from pallas_kernels.ragged_batch import (cdiv, max_prefill_blocks, query_blocks, ragged_batch,
                                          split_decodes_and_prefills, token_sequence)
 
@@ -42,26 +43,16 @@ FORMS = ("absorbed", "decompressed")
 
 
 @dataclasses.dataclass(frozen=True)
-class MlaPallasConfig:
-    """Launch parameters of the MLA kernel (powers of two). Rows hold token * num_heads + head,
-    and the accumulator is [rows, L] float32, so prefill blocks are kept smaller than GQA's.
-    First guesses, not measured on a GPU (scripts/gpu_check.sh runs the kernel)."""
+class MlaPallasConfig(PallasConfig):
+    """Launch parameters of the MLA kernel: PallasConfig's fields with smaller defaults. Rows
+    hold token * num_heads + head, and the accumulator is [rows, L] float32, so prefill
+    blocks are kept smaller than GQA's. First guesses, not measured on a GPU
+    (scripts/gpu_check.sh runs the kernel)."""
 
     decode_block_k: int = 64
-    decode_num_splits: int | None = None  # None: enough splits for ~decode_target_programs
     decode_target_programs: int = 512
-    decode_num_warps: int = 4
-    decode_num_stages: int = 2
     prefill_rows: int = 32
     prefill_block_k: int = 32
-    prefill_num_warps: int = 4
-    prefill_num_stages: int = 2
-
-    def __post_init__(self):
-        for name in ("decode_block_k", "prefill_rows", "prefill_block_k"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"MlaPallasConfig.{name}={value} must be a power of two")
 
 
 def _mla_kernel(

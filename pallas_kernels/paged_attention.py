@@ -69,7 +69,7 @@ class PallasConfig:
         for name in ("decode_block_k", "prefill_rows", "prefill_block_k"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
-                raise ValueError(f"PallasConfig.{name}={value} must be a power of two")
+                raise ValueError(f"{type(self).__name__}.{name}={value} must be a power of two")
 
 
 def _next_power_of_2(n):
