@@ -1,7 +1,8 @@
 """Cold and warm start-up: how long `LLM(...)` takes before it can produce a token.
 
 For each model (`tiny` with the CLI's defaults, a SmolLM2-135M-shaped and a
-Llama-3.2-1B-shaped random checkpoint), one fresh process per measurement:
+Llama-3.2-1B-shaped random checkpoint, or `smollm2-135m-instruct`, the real GGUF, fetched
+once), one fresh process per measurement:
 - cold: an empty persistent compilation cache directory;
 - warm: the same directory again, as the cold run left it.
 Each run reports: `LLM(...)` returned (ready), the first token of an 8-token prompt
@@ -46,6 +47,7 @@ ENGINE_ARGS = {
     "tiny": dict(max_num_seqs=64, max_num_batched_tokens=512),
     "smollm2": dict(max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512, dtype="float32"),
     "llama-1b": dict(max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512, dtype="bfloat16"),  # the preset's
+    "smollm2-135m-instruct": dict(max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=512),
 }
 
 
@@ -210,7 +212,7 @@ def _run_child(*argv) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2", "llama-1b"],
-                        choices=["tiny", "smollm2", "llama-1b"])
+                        choices=list(ENGINE_ARGS))
     parser.add_argument("--warm-up", default="background", choices=["background", "full", "none"])
     parser.add_argument("--steps", action="store_true", help="also time steps against the unrolled program")
     parser.add_argument("--reps", type=int, default=9)
@@ -232,8 +234,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="paged_jax_bench_startup_") as tmp:
         for name in args.models:
-            path = "tiny"
-            if name != "tiny":
+            path = name  # tiny and the named GGUF load by name
+            if name in SHAPES:
                 path = os.path.join(tmp, name)
                 _run_child("--child", "checkpoint", "--model-name", name, "--model-path", path)
             cache_dir = os.path.join(tmp, f"xla-{name}")
