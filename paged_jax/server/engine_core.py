@@ -17,11 +17,11 @@ the server fails the open requests when the message pipe closes (the engine died
 
 On the CPU backend the engine process can leave cores to the HTTP process (vLLM's
 VLLM_CPU_NUM_OF_RESERVED_CPU), pinned before jax starts: XLA sizes its CPU thread pool by the
-cores the process may use then, and a pool squeezed onto fewer cores later runs slower than
-one sized for them (tiny model, 2 cores: 11k tokens/s against 14k). Whether to leave one
-depends on the token rate. XLA spreads every step over all cores, and when the HTTP work that
-wakes with each step's tokens preempts one of those threads the whole step waits for it; but
-a core left to HTTP is compute the engine lacks. Measured on 2 cores at saturation
+cores the process may use then, and a pool squeezed onto fewer cores later keeps its threads
+and runs slower than one sized for them. Whether to leave one depends on the token rate.
+XLA spreads every step over all cores, and when the HTTP work that wakes with each step's
+tokens preempts one of those threads the whole step waits for it; but a core left to HTTP is
+compute the engine lacks. Measured on 2 cores at saturation
 (scripts/bench_serve.py): the tiny model's 12k tokens/s keep the HTTP process half a core
 busy, and its server serves 104% of LLM.generate with a core reserved against 77% without;
 SmolLM2's 190 tokens/s keep it 1% busy, and its server serves 100% without against 75% with.

@@ -1,0 +1,97 @@
+"""The engine's throughput at several git revisions, side by side: which commit made it slower.
+
+    python scripts/ab_revisions.py [--rounds 4] REV [REV ...] [--layers-per-program N]
+
+Each revision (a commit, or `.` for the working tree) is checked out into a temporary git
+worktree and runs in a warm process of its own: `LLM.generate` on bench_throughput's mixed
+workload (64 prompts of 64-512 random tokens, 128 new tokens each, greedy, ignore_eos) over
+the benchmark model (_bench_common.BENCH_MODEL, float32), with bench_throughput's engine
+arguments. The processes take turns, the order reversed every round, so drift on a shared
+machine hits every revision alike; medians are printed. `--layers-per-program` adds the
+working tree once more with that many layers per compiled program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from _bench_common import REPO, make_checkpoint, print_table
+
+# Runs inside each revision's worktree: warm up, then one timed generate per line of stdin.
+WORKER = """
+import json, os, sys, time
+import numpy as np
+repo, model_dir, layers_per_program = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+sys.path.insert(0, repo)
+from paged_jax import LLM, SamplingParams
+rng = np.random.default_rng(0)
+prompts = [rng.integers(3, 32000, int(rng.integers(64, 513))).tolist() for _ in range(64)]
+extra = {} if layers_per_program is None else {"layers_per_program": layers_per_program}
+llm = LLM(model=model_dir, dtype="float32", warm_up="full", block_size=16, max_model_len=2048, max_num_seqs=64,
+          max_num_batched_tokens=1024, num_blocks=sum(-(-(len(p) + 128) // 16) for p in prompts) + 1,
+          enable_prefix_caching=True, attention_impl="xla", **extra)
+params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+print("ready", flush=True)
+for _ in sys.stdin:
+    llm.engine.kv_cache_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    print(64 * 128 / (time.perf_counter() - start), flush=True)
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("revisions", nargs="+", help="commits to compare; '.' is the working tree")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--layers-per-program", type=int, default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="paged_jax_ab_") as tmp:
+        model_dir = os.path.join(tmp, "model")
+        make_checkpoint(model_dir, seed=0)
+        trees = []  # (name, repo dir, layers_per_program)
+        for rev in args.revisions:
+            if rev == ".":
+                trees.append(("working tree", str(REPO), None))
+                continue
+            path = os.path.join(tmp, rev.replace("/", "_"))
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", path, rev], check=True)
+            trees.append((rev, path, None))
+        if args.layers_per_program is not None:
+            trees.append((f"working tree, layers_per_program={args.layers_per_program}", str(REPO),
+                          args.layers_per_program))
+        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        workers = {}
+        try:
+            for name, path, lpp in trees:  # one warm-up at a time: they would share the cores
+                workers[name] = subprocess.Popen([sys.executable, "-c", WORKER, path, model_dir, json.dumps(lpp)],
+                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                assert workers[name].stdout.readline().strip() == "ready", f"{name} did not start"
+            runs = {name: [] for name in workers}
+            for r in range(args.rounds):
+                for name, worker in (list(workers.items()) if r % 2 == 0 else list(workers.items())[::-1]):
+                    worker.stdin.write("go\n")
+                    worker.stdin.flush()
+                    runs[name].append(float(worker.stdout.readline()))
+                print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in runs.items()), flush=True)
+        finally:
+            for worker in workers.values():
+                worker.stdin.close()
+                worker.wait(60)
+            for name, path, _ in trees:
+                if path != str(REPO):
+                    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", path], check=False)
+    print_table(f"mixed workload, LLM.generate tok/s, {args.rounds} alternating rounds",
+                ["revision", "median", "runs"],
+                [[n, f"{statistics.median(v):.1f}", " ".join(f"{x:.0f}" for x in v)] for n, v in runs.items()])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
