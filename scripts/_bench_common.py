@@ -194,3 +194,17 @@ if __name__ == "__main__":
         make_checkpoint(sys.argv[2])
     else:
         sys.exit(__doc__)
+
+
+def greedy_agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """How far two engines' greedy outputs agree, prompt by prompt: the fraction of prompts
+    whose tokens are identical, and the fraction of the reference's tokens before each
+    prompt's first divergence."""
+    same_prefix = []
+    for a, b in zip(ours, theirs):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        same_prefix.append(n)
+    return {"identical_prompts": sum(a == b for a, b in zip(ours, theirs)) / len(ours),
+            "tokens_before_first_divergence": sum(same_prefix) / sum(len(b) for b in theirs)}

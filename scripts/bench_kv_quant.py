@@ -39,7 +39,7 @@ import time
 
 import numpy as np
 
-from _bench_common import command_line, machine_info, median, print_table, write_json
+from _bench_common import command_line, greedy_agreement, machine_info, median, print_table, write_json
 
 MODEL = "smollm2-135m-instruct"
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8")
@@ -229,16 +229,6 @@ def teacher_forced(model, passages, spec, *, kv_scales=None, attention=None):
     return nll, count, np.concatenate(argmax)
 
 
-def agreement(ours, theirs) -> tuple[float, float]:
-    prefix = []
-    for a, b in zip(ours, theirs):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        prefix.append(n)
-    return sum(a == b for a, b in zip(ours, theirs)) / len(ours), sum(prefix) / sum(len(b) for b in theirs)
-
-
 def quality(args) -> dict:
     from models.registry import load_model, load_tokenizer
     from paged_jax import LLM, SamplingParams
@@ -293,9 +283,9 @@ def quality(args) -> dict:
         outputs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     for name in FORMATS:
-        same, prefix = agreement(outputs[name], outputs["auto"])
-        greedy[name] = dict(identical_prompts=same, tokens_before_first_divergence=prefix)
-        greedy_rows.append([name, f"{100 * same:.1f}%", f"{100 * prefix:.1f}%"])
+        greedy[name] = agree = greedy_agreement(outputs[name], outputs["auto"])
+        greedy_rows.append([name, f"{100 * agree['identical_prompts']:.1f}%",
+                            f"{100 * agree['tokens_before_first_divergence']:.1f}%"])
     print_table(f"Greedy agreement with kv_cache_dtype='auto', {len(questions)} chat prompts x {args.new_tokens} "
                 "tokens (LLM.generate)", ["kv_cache_dtype", "identical prompts", "tokens before first divergence"],
                 greedy_rows)

@@ -29,7 +29,7 @@ import time
 
 import numpy as np
 
-from _bench_common import REPO, command_line, machine_info, median, print_table, write_json
+from _bench_common import REPO, command_line, greedy_agreement, machine_info, median, print_table, write_json
 
 MODEL = "smollm2-135m-instruct"
 COLD_START = """
@@ -66,17 +66,6 @@ def torch_threads(n: int):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
-    same_prefix = []
-    for a, b in zip(ours, theirs):
-        n = 0
-        while n < min(len(a), len(b)) and a[n] == b[n]:
-            n += 1
-        same_prefix.append(n)
-    return {"identical_prompts": sum(a == b for a, b in zip(ours, theirs)) / len(ours),
-            "tokens_before_first_divergence": sum(same_prefix) / sum(len(b) for b in theirs)}
 
 
 def cold_start() -> dict:
@@ -150,7 +139,7 @@ def main(argv=None) -> int:
     assert llm.stats()["num_compilations"] == compiled, "a timed run compiled a new shape"
     generated = args.prompts * args.new_tokens
     rate = {name: generated / median(ts) for name, ts in times.items()}
-    agree = agreement(ours, theirs)
+    agree = greedy_agreement(ours, theirs)
     cold = cold_start()
 
     result = {"command": command_line(), "machine": machine_info(), "model": MODEL, "gguf": path.name,
