@@ -10,19 +10,15 @@ layout); both load into [D, E, F] (gate, up) and [E, F, D] (down) stacks.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
 from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
-from safetensors import safe_open
 
 from models.deepseek_v2 import DeepseekV2ForCausalLM
 from models.deepseek_v2_config import DeepseekV2Config
-from models.loader import _tensor_files
+from models.loader import _tensor_files, hf_tensor_reader, read_hf_config
 
 
 def _set(param, value, name: str) -> None:
@@ -118,12 +114,6 @@ def load_hf_checkpoint(path: str, dtype=None, param_dtype=None) -> DeepseekV2For
     Raises:
       ValueError naming the config field this model cannot serve, or a missing / misshapen tensor.
     """
-    config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
-        raise ValueError(f"{path} has no config.json; point load_hf_checkpoint at a HF model directory")
-    with open(config_path) as fh:
-        config = DeepseekV2Config.from_hf_config(json.load(fh), dtype=dtype, param_dtype=param_dtype)
-    files = _tensor_files(path)
-    with contextlib.ExitStack() as stack:
-        handles = {file: stack.enter_context(safe_open(file, framework="flax")) for file in set(files.values())}
-        return model_from_hf_tensors(config, lambda name: handles[files[name]].get_tensor(name))
+    config = DeepseekV2Config.from_hf_config(read_hf_config(path), dtype=dtype, param_dtype=param_dtype)
+    with hf_tensor_reader(_tensor_files(path)) as get_tensor:
+        return model_from_hf_tensors(config, get_tensor)

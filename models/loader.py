@@ -86,6 +86,24 @@ def _tensor_files(path: str) -> dict[str, str]:
         return {name: single for name in fh.keys()}
 
 
+def read_hf_config(path: str) -> dict:
+    """config.json of a HF model directory; ValueError naming the directory when it has none."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.exists(config_path):
+        raise ValueError(f"{path} has no config.json; point load_hf_checkpoint at a HF model directory")
+    with open(config_path) as fh:
+        return json.load(fh)
+
+
+@contextlib.contextmanager
+def hf_tensor_reader(files: dict[str, str]):
+    """get_tensor(name) over the safetensors files of _tensor_files (tensor name -> file),
+    each file open for the with-block (tensors are read one at a time, never all at once)."""
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(safe_open(file, framework="flax")) for file in set(files.values())}
+        yield lambda name: handles[files[name]].get_tensor(name)
+
+
 def load_hf_checkpoint(path: str, dtype=None, param_dtype=None, place=None) -> LlamaForCausalLM:
     """Load a HF Llama directory (config.json + model.safetensors or a shard index).
 
@@ -100,11 +118,7 @@ def load_hf_checkpoint(path: str, dtype=None, param_dtype=None, place=None) -> L
       ValueError naming the field or tensor for a non-Llama config, a missing tensor or a
       tensor of the wrong shape.
     """
-    config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
-        raise ValueError(f"{path} has no config.json; point load_hf_checkpoint at a HF model directory")
-    with open(config_path) as fh:
-        config = LlamaConfig.from_hf_config(json.load(fh), dtype=dtype, param_dtype=param_dtype)
+    config = LlamaConfig.from_hf_config(read_hf_config(path), dtype=dtype, param_dtype=param_dtype)
 
     layout = _hf_layout(config)
     files = _tensor_files(path)
@@ -113,9 +127,8 @@ def load_hf_checkpoint(path: str, dtype=None, param_dtype=None, place=None) -> L
         raise ValueError(f"checkpoint {path} is missing tensor(s) {missing[:8]}"
                          f"{' ...' if len(missing) > 8 else ''} for a {config.num_layers}-layer Llama")
 
-    with contextlib.ExitStack() as stack:
-        handles = {file: stack.enter_context(safe_open(file, framework="flax")) for file in set(files.values())}
-        return model_from_hf_tensors(config, lambda name: handles[files[name]].get_tensor(name), place)
+    with hf_tensor_reader(files) as get_tensor:
+        return model_from_hf_tensors(config, get_tensor, place)
 
 
 def model_from_hf_tensors(config: LlamaConfig, get_tensor: Callable[[str], Any], place=None) -> LlamaForCausalLM:
