@@ -31,7 +31,7 @@ from paged_jax.core.batch import StepInputsBuilder
 from paged_jax.core.config import CacheConfig, SchedulerConfig, check_int, check_power_of_two
 from paged_jax.core.hashing import get_hash_fn_by_name
 from paged_jax.core.kv_cache_manager import KVCacheManager
-from paged_jax.core.kv_quant import check_kv_cache_scaling, check_scale, get_kv_quant_format
+from paged_jax.core.kv_quant import check_key_offsets, check_kv_cache_scaling, check_scale, get_kv_quant_format
 from paged_jax.core.kv_events import KVEventLog
 from paged_jax.core.offload import PREEMPTION_MODES, OffloadConfig
 from paged_jax.core.request import Request, SamplingParams
@@ -81,9 +81,12 @@ class EngineConfig:
     # "fp8_e5m2", "int8" store one byte per element, with per-token scales beside the pages, or
     # with kv_cache_scaling="per_tensor" one static (k_scale, v_scale) per layer: kv_scales, one
     # pair or one per layer (None: 1.0; calibrate_kv_scales in paged_jax/kv_calibration.py).
+    # A quantized pool stores keys centered: kv_key_offsets, f32[num_layers, num_kv_heads,
+    # head_dim] (None: zeros; calibrate_key_offsets there), kept as nested tuples.
     kv_cache_dtype: str = "auto"
     kv_cache_scaling: str = "per_token"
     kv_scales: tuple | None = None
+    kv_key_offsets: tuple | None = None
     # Offload tiers (paged_jax/core/offload.py). "swap" preemption needs the host tier.
     preemption_mode: str = "recompute"  # or "swap"
     offload_host_bytes: int = 0  # byte cap of the host tier; 0: no offload
@@ -141,6 +144,13 @@ class EngineConfig:
                                  "kv_cache_scaling='per_tensor'")
             for i, scale in enumerate(np.ravel(np.asarray(self.kv_scales, dtype=object))):
                 check_scale(f"kv_scales (entry {i})", scale)
+        if self.kv_key_offsets is not None:
+            if self.kv_cache_dtype == "auto":
+                raise ValueError("kv_key_offsets center the keys of a quantized pool; they need kv_cache_dtype "
+                                 "'fp8', 'fp8_e5m2' or 'int8'")
+            # nested tuples: the config stays comparable and hashable like its other fields
+            offsets = check_key_offsets(self.kv_key_offsets).tolist()
+            object.__setattr__(self, "kv_key_offsets", tuple(tuple(map(tuple, layer)) for layer in offsets))
 
     def _check_offload(self) -> None:
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -284,7 +294,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache_config, self.scheduler_config,
                                   attention_impl=c.attention_impl, interpret=c.interpret, kv_cache_dtype=c.dtype,
                                   layers_per_program=c.layers_per_program, kv_cache_quant=c.kv_cache_dtype,
-                                  kv_cache_scaling=c.kv_cache_scaling, kv_scales=c.kv_scales, mesh=self.mesh)
+                                  kv_cache_scaling=c.kv_cache_scaling, kv_scales=c.kv_scales,
+                                  kv_key_offsets=c.kv_key_offsets, mesh=self.mesh)
         self.kv_events = KVEventLog() if c.enable_kv_events else None
         self.offload = build_offload_manager(c, self.cache_config, self.runner, self.model, self.kv_events)
         self.kv_cache_manager = KVCacheManager(self.cache_config, self.offload, self.kv_events)

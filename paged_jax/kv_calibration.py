@@ -1,13 +1,21 @@
-"""Static per-tensor K/V scales (vLLM's k_scale / v_scale) calibrated from a few prompts.
+"""A quantized pool's static inputs calibrated from a few prompts: key offsets and per-tensor scales.
 
-With kv_cache_scaling="per_tensor" a quantized pool keeps no scales beside its pages: each
-layer has one K scale and one V scale, 1.0 unless given. calibrate_kv_scales runs the
-prompts through the model on an unquantized paged cache and sets each layer's scales to
-amax / max_value of what that layer wrote, so the format's range covers the observed
-values (a value past it later saturates, never inf or NaN):
+Both run the prompts through the model on an unquantized paged cache and read what each
+layer wrote:
+- calibrate_key_offsets: each layer's mean key (per KV head and channel, after RoPE). A
+  quantized pool stores k - offset (paged_jax/core/kv_quant.py): softmax is blind to an
+  offset every key of a query shares, and the keys' large common component no longer costs
+  quantization error. Zeros unless given.
+- calibrate_kv_scales: with kv_cache_scaling="per_tensor" a quantized pool keeps no scales
+  beside its pages: each layer has one K scale and one V scale (vLLM's k_scale / v_scale),
+  1.0 unless given; calibrated, amax / max_value of what the layer stores (keys centered
+  and rotated as the pool stores them), so the format's range covers the observed values (a
+  value past it later saturates, never inf or NaN).
 
-    scales = calibrate_kv_scales(model, [tokenizer.encode(p) for p in prompts], "fp8")
-    llm = LLM(..., kv_cache_dtype="fp8", kv_cache_scaling="per_tensor", kv_scales=scales)
+    prompts = [tokenizer.encode(p) for p in texts]
+    offsets = calibrate_key_offsets(model, prompts)
+    scales = calibrate_kv_scales(model, prompts, "fp8", key_offsets=offsets)  # per_tensor only
+    llm = LLM(..., kv_cache_dtype="fp8", kv_key_offsets=offsets)
 
 paged_prefill is the one-sequence forward both this module and scripts/bench_kv_quant.py
 use: one prefill of every token over a fresh paged cache of any spec, per-layer static
@@ -23,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.kv_cache_spec import FullAttentionSpec
 from paged_jax.attention import make_attention_backend
-from paged_jax.core.kv_quant import MIN_SCALE, get_kv_quant_format
+from paged_jax.core.kv_quant import MIN_SCALE, check_key_offsets, get_kv_quant_format, key_rotation
 from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs
 
 CALIBRATION_BLOCK_SIZE = 16
@@ -44,21 +53,21 @@ def _prefill_inputs(token_ids, block_size: int):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "attention", "block_size", "num_blocks"))
-def _prefill(graphdef, state, token_ids, kv_scales, *, attention, block_size, num_blocks):
+def _prefill(graphdef, state, token_ids, layer_inputs, *, attention, block_size, num_blocks):
     model = nnx.merge(graphdef, state)
     inputs, md = _prefill_inputs(token_ids, block_size)
     caches = [attention.spec.allocate(num_blocks, block_size) for _ in model.layers]
     x = model.embed(inputs.token_ids)
     new_caches = []
     for i, (layer, cache) in enumerate(zip(model.layers, caches)):
-        bound = attention if kv_scales is None else attention.with_kv_scales(kv_scales[i])
+        bound = attention.bind(**{name: a[i] for name, a in layer_inputs.items()}) if layer_inputs else attention
         x, cache = layer(x, inputs.positions, cache, md, bound)
         new_caches.append(cache)
     return model.compute_logits(x, inputs), new_caches
 
 
-def paged_prefill(model, token_ids, spec, *, kv_scales=None, block_size: int = CALIBRATION_BLOCK_SIZE,
-                  attention=None):
+def paged_prefill(model, token_ids, spec, *, kv_scales=None, key_offsets=None,
+                  block_size: int = CALIBRATION_BLOCK_SIZE, attention=None):
     """Teacher-forced logits of one sequence through a paged cache laid out by `spec`.
 
     Args:
@@ -66,8 +75,9 @@ def paged_prefill(model, token_ids, spec, *, kv_scales=None, block_size: int = C
       token_ids: the sequence, ints.
       spec: the per-layer cache spec (every layer alike), e.g. model.kv_cache_specs(...)[0].
       kv_scales: f32[num_layers, 2] static (k_scale, v_scale) per layer (per-tensor specs only).
+      key_offsets: f32[num_layers, num_kv_heads, head_dim] per-layer key offsets (quantized specs).
       attention: a backend to use instead of make_attention_backend(spec, "xla") (any callable
-        with the backend's signature and a `spec`).
+        with the backend's signature and a `spec`; with kv_scales or key_offsets, a `bind`).
     Returns:
       (f32[T, V] logits of every position, the per-layer caches after the prefill).
     """
@@ -75,30 +85,75 @@ def paged_prefill(model, token_ids, spec, *, kv_scales=None, block_size: int = C
     attention = attention or make_attention_backend(spec, "xla")
     graphdef, state = nnx.split(model)
     num_blocks = -(-token_ids.shape[0] // block_size) + 1
-    scales = None if kv_scales is None else jnp.asarray(kv_scales, jnp.float32)
-    return _prefill(graphdef, state, token_ids, scales, attention=attention, block_size=block_size,
+    layer_inputs = {name: jnp.asarray(value, jnp.float32) for name, value in
+                    (("kv_scales", kv_scales), ("key_offset", key_offsets)) if value is not None}
+    return _prefill(graphdef, state, token_ids, layer_inputs, attention=attention, block_size=block_size,
                     num_blocks=num_blocks)
 
 
-def calibrate_kv_scales(model, prompts, kv_cache_dtype: str) -> tuple[tuple[float, float], ...]:
+def _check_prompts(prompts, what: str) -> None:
+    if not prompts or not all(len(p) for p in prompts):
+        raise ValueError(f"{what} needs at least one non-empty prompt (token-id lists)")
+
+
+def _float_spec(model) -> FullAttentionSpec:
+    """The model's unquantized float32 GQA cache spec (ValueError for any other cache)."""
+    spec = model.kv_cache_specs("float32")[0]
+    if not isinstance(spec, FullAttentionSpec):
+        raise ValueError(f"KV calibration reads the keys and values of a GQA cache; {type(model).__name__} keeps a "
+                         f"{type(spec).__name__}, which is not quantized")
+    return spec
+
+
+def _written_keys_values(model, prompts):
+    """Per prompt, per layer, (keys, values) f32[len(prompt), num_kv_heads, head_dim] as the
+    model computes them (an unquantized float32 paged cache: what a quantized pool is given)."""
+    spec = _float_spec(model)
+    for prompt in prompts:
+        _, caches = paged_prefill(model, prompt, spec)
+        # page 0 is the null page; the prompt's tokens fill pages 1.. in order
+        yield [tuple(np.asarray(a[1:]).reshape(-1, *a.shape[2:])[: len(prompt)] for a in cache) for cache in caches]
+
+
+def calibrate_key_offsets(model, prompts) -> np.ndarray:
+    """Each layer's mean key over the prompts' tokens: kv_key_offsets of a quantized pool.
+
+    Args:
+      model: a registered GQA model; prompts: token-id lists (a thousand tokens in all suffice).
+    Returns:
+      f32[num_layers, num_kv_heads, head_dim].
+    """
+    _check_prompts(prompts, "calibrate_key_offsets")
+    _float_spec(model)
+    total, count = 0.0, 0
+    for layers in _written_keys_values(model, prompts):
+        total = total + np.stack([keys.sum(axis=0, dtype=np.float64) for keys, _ in layers])
+        count += len(layers[0][0])
+    return (total / count).astype(np.float32)
+
+
+def calibrate_kv_scales(model, prompts, kv_cache_dtype: str, key_offsets=None) -> tuple[tuple[float, float], ...]:
     """Per-layer static (k_scale, v_scale) for kv_cache_dtype: amax / max_value over the prompts.
 
     Args:
       model: a registered model; prompts: token-id lists (a few hundred tokens in all suffice).
       kv_cache_dtype: a quantized format name ("fp8", "fp8_e4m3", "fp8_e5m2", "int8").
+      key_offsets: the kv_key_offsets the pool will use (None: zeros); the K scale covers the
+        keys as the pool stores them, centered and rotated.
     Returns:
       One (k_scale, v_scale) pair per layer, each a positive float.
     """
     fmt = get_kv_quant_format(kv_cache_dtype)
     if fmt is None:
         raise ValueError("kv_cache_dtype='auto' stores no scales; calibrate for 'fp8', 'fp8_e5m2' or 'int8'")
-    if not prompts or not all(len(p) for p in prompts):
-        raise ValueError("calibrate_kv_scales needs at least one non-empty prompt")
-    spec = model.kv_cache_specs("float32")[0]
+    _check_prompts(prompts, "calibrate_kv_scales")
+    spec = _float_spec(model)
+    shape = (len(model.layers), spec.num_kv_heads, spec.head_dim)
+    offsets = np.zeros(shape, np.float32) if key_offsets is None else check_key_offsets(key_offsets, shape)
+    rotation = key_rotation(spec.head_dim).astype(np.float64)
     amax = np.zeros((len(model.layers), 2))
-    for prompt in prompts:
-        _, caches = paged_prefill(model, prompt, spec)
-        for i, (k_cache, v_cache) in enumerate(caches):
-            # page 0 is the null page; the prompt's pages hold nothing else
-            amax[i] = np.maximum(amax[i], [float(jnp.max(jnp.abs(k_cache[1:]))), float(jnp.max(jnp.abs(v_cache[1:])))])
+    for layers in _written_keys_values(model, prompts):
+        for i, (keys, values) in enumerate(layers):
+            stored_keys = (keys - offsets[i]).astype(np.float64) @ rotation
+            amax[i] = np.maximum(amax[i], [np.abs(stored_keys).max(), np.abs(values).max()])
     return tuple((max(float(k) / fmt.max_value, MIN_SCALE), max(float(v) / fmt.max_value, MIN_SCALE)) for k, v in amax)

@@ -48,7 +48,7 @@ from jax.experimental import multihost_utils
 from models.kv_cache_spec import QuantizedAttentionSpec, init_kv_caches, kv_cache_bytes_per_token
 from paged_jax.attention import make_attention_backend
 from paged_jax.core.config import CacheConfig, SchedulerConfig
-from paged_jax.core.kv_quant import check_scale
+from paged_jax.core.kv_quant import check_key_offsets, check_scale
 from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
 from paged_jax.sampler import sample
 from paged_jax.sharding import (SHARDED_CACHE_SPECS, TP_AXIS, ShardedAttention, cache_shardings,
@@ -171,6 +171,20 @@ def static_kv_scales(spec, kv_scales, num_layers: int):
     return jnp.asarray(values, jnp.float32)
 
 
+def static_key_offsets(spec, key_offsets, num_layers: int):
+    """f32[num_layers, num_kv_heads, head_dim] device array of the keys' per-layer offsets for a
+    quantized spec (key_offsets: None = zeros; calibrate_key_offsets computes them); None for
+    any other spec."""
+    if not isinstance(spec, QuantizedAttentionSpec):
+        if key_offsets is not None:
+            raise ValueError("kv_key_offsets center the keys of a quantized pool; they need a quantized "
+                             "kv_cache_dtype ('fp8', 'fp8_e5m2' or 'int8')")
+        return None
+    shape = (num_layers, spec.num_kv_heads, spec.head_dim)
+    offsets = np.zeros(shape, np.float32) if key_offsets is None else check_key_offsets(key_offsets, shape)
+    return jnp.asarray(offsets)
+
+
 # Runners whose background threads (the pool's zeroing, the warm-up) may still run: at exit
 # each one finishes what is inside XLA and drops the buckets not started, so the
 # interpreter never stops under a running computation (which aborts the process).
@@ -201,7 +215,9 @@ class ModelRunner:
       kv_cache_quant: "auto" (pages in kv_cache_dtype) or a quantized format ("fp8", "fp8_e4m3",
         "fp8_e5m2", "int8"; paged_jax/core/kv_quant.py), with kv_cache_scaling "per_token" or
         "per_tensor"; kv_scales: the static (k_scale, v_scale) of per-tensor scaling, one pair for
-        every layer or one per layer (None: 1.0). They are runtime inputs of the layer program.
+        every layer or one per layer (None: 1.0); kv_key_offsets: f32[num_layers, num_kv_heads,
+        head_dim] subtracted from the keys before they are stored (None: zeros). Both are
+        runtime inputs of the layer program.
       layers_per_program: decoder layers one compiled program runs (a divisor of the layer
         count); None: _default_layers_per_program(num_layers). The layer count itself compiles the
         whole stack into one program: the old step time, at the old compile time per bucket.
@@ -213,7 +229,7 @@ class ModelRunner:
     def __init__(self, model, cache_config: CacheConfig, scheduler_config: SchedulerConfig, *,
                  attention_impl: str | None = None, interpret: bool = False, kv_cache_dtype=None,
                  layers_per_program: int | None = None, kv_cache_quant: str = "auto",
-                 kv_cache_scaling: str = "per_token", kv_scales=None, mesh=None):
+                 kv_cache_scaling: str = "per_token", kv_scales=None, kv_key_offsets=None, mesh=None):
         self.config = model.config
         self.mesh = mesh
         self.cache_config = cache_config
@@ -238,6 +254,11 @@ class ModelRunner:
             self.attention = ShardedAttention(self.attention, mesh, self.kv_head_replicas)
         self.attention_impl = self.attention.name
         self.kv_scales = static_kv_scales(specs[0], kv_scales, len(specs))
+        self.kv_key_offsets = static_key_offsets(specs[0], kv_key_offsets, len(specs))
+        # What the attention backend binds per layer (arrays with a leading layer axis, passed
+        # to the layer programs as runtime inputs): the quantized pool's static inputs.
+        self.layer_inputs = {name: value for name, value in (("kv_scales", self.kv_scales),
+                                                             ("key_offset", self.kv_key_offsets)) if value is not None}
         self.token_buckets = scheduler_config.token_buckets
         self.seq_buckets = scheduler_config.seq_buckets
         num_layers = len(model.layers)
@@ -254,9 +275,9 @@ class ModelRunner:
         groups = [tuple(graphdefs[i : i + layers_per_program]) for i in range(0, num_layers, layers_per_program)]
         self._group_graphdefs = list(dict.fromkeys(groups))  # distinct kinds of group, first seen first
         self._group_kind = [self._group_graphdefs.index(group) for group in groups]
-        # Each group's static K/V scales (per-tensor quantized pools), sliced once, not per step.
-        self._group_kv_scales = [None if self.kv_scales is None else self.kv_scales[i : i + layers_per_program]
-                                 for i in range(0, num_layers, layers_per_program)]
+        # Each group's layer inputs (quantized pools), sliced once, not per step.
+        self._group_layer_inputs = [{name: a[i : i + layers_per_program] for name, a in self.layer_inputs.items()}
+                                    for i in range(0, num_layers, layers_per_program)]
         self.layer_params = [nnx.state(layer) for layer in model.layers]
         self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
         if mesh is not None:
@@ -346,15 +367,17 @@ class ModelRunner:
     def _embed_fn(self, head_params, token_ids):
         return self._model(head_params).embed(token_ids)
 
-    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata, graphdefs=None, kv_scales=None):
+    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata, graphdefs=None, layer_inputs=None):
         """layers_per_program consecutive layers: their params and caches are lists; graphdefs
-        (static) are their graphs, by default those of the first group; kv_scales, f32[layers, 2],
-        their static K/V scales when the pool is quantized per tensor."""
+        (static) are their graphs, by default those of the first group; layer_inputs, a dict of
+        arrays with a leading layer axis (self.layer_inputs sliced), what the attention backend
+        binds per layer."""
         new_caches = []
         graphdefs = graphdefs if graphdefs is not None else self._group_graphdefs[0]
         for i, (graphdef, params, kv_cache) in enumerate(zip(graphdefs, layer_params, kv_caches)):
             layer = nnx.merge(graphdef, params)
-            attention = self.attention if kv_scales is None else self.attention.with_kv_scales(kv_scales[i])
+            attention = (self.attention.bind(**{name: a[i] for name, a in layer_inputs.items()}) if layer_inputs
+                         else self.attention)
             x, kv_cache = layer(x, positions, kv_cache, attn_metadata, attention)
             new_caches.append(kv_cache)
         return x, new_caches
@@ -378,10 +401,10 @@ class ModelRunner:
         def embed_fn(head_params, packed):
             return self._embed_fn(head_params, unpack_step_inputs(packed, like).model.token_ids)
 
-        def layer_fn(layer_params, x, kv_caches, packed, kv_scales, graphdefs):
+        def layer_fn(layer_params, x, kv_caches, packed, layer_inputs, graphdefs):
             inputs = unpack_step_inputs(packed, like)
             return self._layer_fn(layer_params, x, kv_caches, inputs.model.positions, inputs.attention, graphdefs,
-                                  kv_scales)
+                                  layer_inputs)
 
         def head_fn(head_params, x, packed):
             return self._head_fn(head_params, x, unpack_step_inputs(packed, like))
@@ -393,14 +416,14 @@ class ModelRunner:
         k = self.layers_per_program
         caches_out = None if self.mesh is None else [cache_shardings(spec, self.mesh)
                                                      for spec in self.kv_cache_specs[:k]]
-        kv_scales = None if self.kv_scales is None else abstract(self.kv_scales[:k])
+        layer_inputs = abstract(self._group_layer_inputs[0])
         layers = []  # one program per kind of layer group
         for kind, graphdefs in enumerate(self._group_graphdefs):
             first = self._group_kind.index(kind) * k
             program = self._jit(functools.partial(layer_fn, graphdefs=graphdefs), (rep, caches_out),
                                 donate_argnums=(2,))
             layers.append(program.lower(abstract(self.layer_params[first : first + k]), x, self._abstract_caches,
-                                        packed, kv_scales).compile())
+                                        packed, layer_inputs).compile())
         head = self._jit(head_fn, (rep, rep)).lower(head_params, x, packed).compile()
         return embed, tuple(layers), head
 
@@ -474,7 +497,7 @@ class ModelRunner:
         for i in range(0, len(kv_caches), k):
             layer = layers[self._group_kind[i // k]]  # the program of this group's kind of layers
             x, kv_caches[i : i + k] = layer(self.layer_params[i : i + k], x, kv_caches[i : i + k], packed,
-                                            self._group_kv_scales[i // k])
+                                            self._group_layer_inputs[i // k])
         token_ids, logprobs = head(self.head_params, x, packed)
         self.num_steps += 1
         if copies is not None and copies.persist_block_ids.size:

@@ -9,8 +9,10 @@ Quantize-on-write: for a quantized cache (kv_cache_dtype names its format, see
 paged_jax/core/kv_quant.py) the rows are quantized before the scatter: with per-token scales
 (k_scale_cache / v_scale_cache, f32[num_blocks, block_size, num_kv_heads]) each (token, KV
 head) row gets scale = amax / max_value, scattered beside it; without them one static scale
-per tensor (tensor_scales) divides every row. Values round to nearest and saturate at the
-format's max, so a large value never turns into inf or NaN. fp8 rows are scattered as their
+per tensor (tensor_scales) divides every row. An fp8 per-token scale is searched among
+FP8_SCALE_STEPS multiples of amax / max_value for the least squared error of the row
+(kv_quant.py). Values round to nearest and saturate at the format's max, so a large value
+never turns into inf or NaN. fp8 rows are scattered as their
 bytes into uint8 pages (kv_quant.py says why).
 """
 
@@ -21,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from paged_jax.core.kv_quant import FORMATS, MIN_SCALE
+from paged_jax.core.kv_quant import FORMATS, FP8_SCALE_STEPS, MIN_SCALE
 
 
 def get_format(kv_cache_dtype: str | None):
@@ -54,19 +56,44 @@ def quantize_rows(x, fmt, scale=None):
     Args:
       x: [..., head_dim], any float dtype.
       fmt: a paged_jax.core.kv_quant.KVQuantFormat.
-      scale: None for one scale per row (amax over head_dim / max_value), else a static
-        scale broadcastable to x[..., 0] (a per-tensor scale: a scalar).
+      scale: None for one scale per row (amax over head_dim / max_value; for fp8 the
+        FP8_SCALE_STEPS multiple of it with the least squared error, as
+        kv_quant.per_token_scale_numpy), else a static scale broadcastable to x[..., 0] (a
+        per-tensor scale: a scalar).
     Returns:
       (x quantized, [..., head_dim] in fmt.storage_dtype; f32[...] the scale of each row).
     """
     x32 = x.astype(jnp.float32)
     if scale is None:
         scale = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1) / fmt.max_value, MIN_SCALE)
+        if not fmt.is_integer:
+            scale = _least_error_scale(x32, scale, fmt)
     scale = jnp.broadcast_to(jnp.asarray(scale, jnp.float32), x.shape[:-1])
+    return _round(x32, scale, fmt), scale
+
+
+def _round(x32, scale, fmt):
+    """x32 / scale (per row) rounded to fmt, saturated at fmt.max_value."""
     y = jnp.clip(x32 / scale[..., None], -fmt.max_value, fmt.max_value)
     if fmt.is_integer:
         y = jnp.round(y)  # half to even, as np.rint
-    return y.astype(fmt.storage_dtype), scale
+    return y.astype(fmt.storage_dtype)
+
+
+def _least_error_scale(x32, base, fmt):
+    """Of the scales base * FP8_SCALE_STEPS, each row's with the least squared rounding error
+    (the first on a tie). Errors are measured in units of base, so a huge row cannot overflow them."""
+    units = x32 / base[..., None]
+    best = best_err = None
+    for step in FP8_SCALE_STEPS:
+        scale = base * step
+        err = jnp.sum((_round(x32, scale, fmt).astype(jnp.float32) * step - units) ** 2, axis=-1)
+        if best is None:
+            best, best_err = scale, err
+        else:
+            better = err < best_err
+            best, best_err = jnp.where(better, scale, best), jnp.where(better, err, best_err)
+    return best
 
 
 def dequantize_pages(pages, scale=None, fmt=None):

@@ -11,22 +11,24 @@
   top-1 agreement with the unquantized cache over every position;
 - the seed's warning (softmax is most sensitive to key error): each format with K alone and
   V alone quantized (quantize-dequantize of the one tensor, the other unquantized);
-- per-tensor static scales: 1.0 and calibrated (paged_jax/kv_calibration.py) on 4 other passages;
+- key offsets (kv_key_offsets: each layer's mean key, subtracted before the keys are stored)
+  zeros and calibrated (paged_jax/kv_calibration.py) on 4 other passages;
+- per-tensor static scales: 1.0, and calibrated together with the key offsets;
 - greedy agreement: --prompts chat questions x --new-tokens tokens through LLM.generate with
-  kv_cache_dtype=... against kv_cache_dtype="auto" (identical prompts; tokens before the first
-  divergence).
+  kv_cache_dtype=... (and calibrated key offsets) against kv_cache_dtype="auto" (identical
+  prompts; tokens before the first divergence).
 --speed: decode steps of the benchmark-shaped model at --context tokens of context for --seqs
   sequences (pool pages filled with random values, block tables random), the formats
   interleaved run by run; decode tokens/s (median) and the K/V bytes each step reads.
---key-study: fp8_e4m3 with per-token scales keeps the key error that costs most of its
-  top-1 agreement (--quality). What lowers it, with K and V quantized and dequantized on write
-  as the pool does (teacher-forced, as --quality): a per-token scale searched among 8 (amax /
-  448 x 2^(j/8), the one with the least squared error of the row: 3 mantissa bits put the
-  grid differently for each); a Hadamard rotation of q and k per head (q.k is unchanged; the
-  rotated key spreads its outlier channels over all of them); a per-layer, per-channel key
-  mean calibrated on 4 other passages and subtracted before quantizing (softmax is blind to
-  one offset shared by every key of a query). Neither the pool nor the kernels do any of
-  these: this measures what they would buy.
+--key-study: what each of the pool's three defences against key error buys fp8_e4m3 with
+  per-token scales (teacher-forced, as --quality), each alone and together, with K and V
+  quantized and dequantized on write here over the unquantized backend: the per-token scale
+  searched among 8 (amax / 448 x 2^(j/8), the one with the least squared error of the row: 3
+  mantissa bits put the grid differently for each); the Hadamard rotation of q and k per head
+  (q.k is unchanged; the rotated key spreads its outlier channels over all of them); the
+  per-layer, per-channel key mean calibrated on 4 other passages and subtracted before
+  quantizing (softmax is blind to one offset shared by every key of a query). The pool does
+  the first two always and the third with kv_key_offsets.
 Writes results/bench_kv_quant_<mode>.json.
 """
 
@@ -78,8 +80,9 @@ CHAT_QUESTIONS = [
 @dataclasses.dataclass(frozen=True)
 class FakeQuantAttention:
     """The unquantized backend with K alone or V alone quantized and dequantized on write (per
-    token), for the K-vs-V sensitivity rows: the same values a quantized page of that tensor
-    stands for, the other tensor exact."""
+    token; keys rotated by key_rotation first and back after, as the pool stores them), for the
+    K-vs-V sensitivity rows: the same values a quantized page of that tensor stands for, the
+    other tensor exact."""
 
     base: object
     kv_cache_dtype: str
@@ -90,7 +93,9 @@ class FakeQuantAttention:
         return self.base.spec
 
     def __call__(self, q, k, v, kv_cache, attn_metadata, *, sm_scale):
-        from paged_jax.core.kv_quant import FORMATS as QUANT_FORMATS
+        import jax.numpy as jnp
+
+        from paged_jax.core.kv_quant import FORMATS as QUANT_FORMATS, key_rotation
         from pallas_kernels.kv_cache_write import dequantize_pages, quantize_rows
 
         fmt = QUANT_FORMATS[self.kv_cache_dtype]
@@ -100,7 +105,8 @@ class FakeQuantAttention:
             return dequantize_pages(stored, scale).astype(x.dtype)
 
         if self.tensor == "k":
-            k = fake(k)
+            rotation = jnp.asarray(key_rotation(k.shape[-1]), k.dtype)
+            k = fake(k @ rotation) @ rotation.T
         else:
             v = fake(v)
         return self.base(q, k, v, kv_cache, attn_metadata, sm_scale=sm_scale)
@@ -114,25 +120,25 @@ class KeyStudyAttention:
     base: object
     scale_candidates: int = 1
     rotate: bool = False
-    key_mean: object = None  # this layer's f32[K, H], bound per layer through with_kv_scales
+    key_mean: object = None  # this layer's f32[K, H], bound per layer (paged_prefill's key_offsets)
 
     @property
     def spec(self):
         return self.base.spec
 
-    def with_kv_scales(self, key_mean):
-        return dataclasses.replace(self, key_mean=key_mean)
+    def bind(self, key_offset):
+        return dataclasses.replace(self, key_mean=key_offset)
 
     def __call__(self, q, k, v, kv_cache, attn_metadata, *, sm_scale):
         import jax.numpy as jnp
 
-        from paged_jax.core.kv_quant import FORMATS as QUANT_FORMATS
+        from paged_jax.core.kv_quant import FORMATS as QUANT_FORMATS, key_rotation
 
         fmt = QUANT_FORMATS["fp8_e4m3"]
         if self.key_mean is not None:
             k = k - self.key_mean.astype(k.dtype)
         if self.rotate:
-            h = jnp.asarray(hadamard(q.shape[-1]), q.dtype)
+            h = jnp.asarray(key_rotation(q.shape[-1]), q.dtype)
             q, k = q @ h, k @ h
 
         def fake(x):
@@ -151,48 +157,29 @@ class KeyStudyAttention:
         return self.base(q, fake(k), fake(v), kv_cache, attn_metadata, sm_scale=sm_scale)
 
 
-def hadamard(n: int) -> np.ndarray:
-    """The orthonormal n x n Sylvester-Hadamard matrix (n a power of two)."""
-    if n & (n - 1):
-        raise SystemExit(f"--key-study rotates by a Hadamard matrix: head_dim {n} is not a power of two")
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h / np.sqrt(n)
-
-
-def key_means(model, prompts) -> np.ndarray:
-    """f32[num_layers, K, H]: each layer's mean key (after RoPE) over the prompts' tokens."""
-    from paged_jax.kv_calibration import paged_prefill
-
-    spec = model.kv_cache_specs("float32")[0]
-    total, count = 0.0, 0
-    for ids in prompts:
-        _, caches = paged_prefill(model, ids, spec)
-        keys = [np.asarray(k_cache[1:]).reshape(-1, *k_cache.shape[2:])[:len(ids)] for k_cache, _ in caches]
-        total, count = total + np.stack(keys).sum(axis=1), count + len(ids)
-    return (total / count).astype(np.float32)
-
-
 def key_study(args) -> dict:
     from models.registry import load_model, load_tokenizer
     from paged_jax.attention import make_attention_backend
+    from paged_jax.kv_calibration import calibrate_key_offsets
 
     model = load_model(MODEL, dtype="float32")
     tokenizer = load_tokenizer(MODEL)
     passages = eval_passages(tokenizer, args.passages, args.tokens)
-    means = key_means(model, eval_passages(tokenizer, 4, args.tokens, skip=args.passages))  # held out
+    means = calibrate_key_offsets(model, eval_passages(tokenizer, 4, args.tokens, skip=args.passages))  # held out
     auto_spec = model.kv_cache_specs("float32")[0]
     base = make_attention_backend(auto_spec, "xla")
     variants = [
         ("unquantized", "-", dict()),
-        ("the pool's fp8_e4m3 (per-token scale)", "-", dict(spec=model.kv_cache_specs(None, "fp8_e4m3")[0])),
+        ("none (amax / 448 per token)", "-", dict(attention=KeyStudyAttention(base))),
         ("scale searched among 8", "-", dict(attention=KeyStudyAttention(base, 8))),
         ("q, k rotated (Hadamard)", "-", dict(attention=KeyStudyAttention(base, 1, True))),
         ("rotated, scale searched", "-", dict(attention=KeyStudyAttention(base, 8, True))),
-        ("key mean subtracted", "4 passages", dict(attention=KeyStudyAttention(base), kv_scales=means)),
+        ("key mean subtracted", "4 passages", dict(attention=KeyStudyAttention(base), key_offsets=means)),
         ("key mean subtracted, rotated, scale searched", "4 passages",
-         dict(attention=KeyStudyAttention(base, 8, True), kv_scales=means)),
+         dict(attention=KeyStudyAttention(base, 8, True), key_offsets=means)),
+        ("the pool's fp8_e4m3 (searched, rotated)", "-", dict(spec=model.kv_cache_specs(None, "fp8_e4m3")[0])),
+        ("the pool's fp8_e4m3 with kv_key_offsets", "4 passages",
+         dict(spec=model.kv_cache_specs(None, "fp8_e4m3")[0], key_offsets=means)),
     ]
     rows, results, ref = [], [], None
     for name, calibration, kwargs in variants:
@@ -211,7 +198,7 @@ def key_study(args) -> dict:
     return dict(variants=results, passages=len(passages), tokens=args.tokens)
 
 
-def teacher_forced(model, passages, spec, *, kv_scales=None, attention=None):
+def teacher_forced(model, passages, spec, *, kv_scales=None, key_offsets=None, attention=None):
     """(sum of NLL, number of predicted tokens, argmax per position) over the passages."""
     import jax
     import jax.numpy as jnp
@@ -220,7 +207,7 @@ def teacher_forced(model, passages, spec, *, kv_scales=None, attention=None):
 
     nll, count, argmax = 0.0, 0, []
     for ids in passages:
-        logits, _ = paged_prefill(model, ids, spec, kv_scales=kv_scales, attention=attention)
+        logits, _ = paged_prefill(model, ids, spec, kv_scales=kv_scales, key_offsets=key_offsets, attention=attention)
         logp = jax.nn.log_softmax(logits[:-1], axis=-1)
         targets = jnp.asarray(ids[1:])
         nll -= float(jnp.sum(jnp.take_along_axis(logp, targets[:, None], axis=1)))
@@ -233,17 +220,20 @@ def quality(args) -> dict:
     from models.registry import load_model, load_tokenizer
     from paged_jax import LLM, SamplingParams
     from paged_jax.attention import make_attention_backend
-    from paged_jax.kv_calibration import calibrate_kv_scales
+    from paged_jax.kv_calibration import calibrate_key_offsets, calibrate_kv_scales
 
     model = load_model(MODEL, dtype="float32")
     tokenizer = load_tokenizer(MODEL)
     passages = eval_passages(tokenizer, args.passages, args.tokens)
     calibration = eval_passages(tokenizer, 4, args.tokens, skip=args.passages)  # held out
     auto_spec = model.kv_cache_specs("float32")[0]
+    offsets = calibrate_key_offsets(model, calibration)
 
     variants = [("auto", "-", dict(spec=auto_spec))]
     for name in FORMATS:
         variants.append((name, "per_token", dict(spec=model.kv_cache_specs(None, name)[0])))
+        variants.append((name, "per_token, key offsets calibrated",
+                         dict(spec=model.kv_cache_specs(None, name)[0], key_offsets=offsets)))
     for name in FORMATS:
         for tensor in ("k", "v"):
             variants.append((f"{name} {tensor.upper()} only", "per_token", dict(
@@ -251,8 +241,9 @@ def quality(args) -> dict:
     for name in ("fp8_e4m3", "int8"):
         spec = model.kv_cache_specs(None, name, "per_tensor")[0]
         variants.append((name, "per_tensor 1.0", dict(spec=spec)))
-        scales = calibrate_kv_scales(model, calibration, name)
-        variants.append((name, "per_tensor calibrated", dict(spec=spec, kv_scales=scales)))
+        scales = calibrate_kv_scales(model, calibration, name, key_offsets=offsets)
+        variants.append((name, "per_tensor, scales and key offsets calibrated",
+                         dict(spec=spec, kv_scales=scales, key_offsets=offsets)))
 
     rows, results = [], []
     ref_argmax = ref_ppl = None
@@ -276,15 +267,17 @@ def quality(args) -> dict:
     greedy_rows, greedy = [], {}
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     outputs = {}
-    for name in ("auto", *FORMATS):
-        llm = LLM(MODEL, dtype="float32", kv_cache_dtype=name, max_model_len=512, max_num_seqs=len(questions),
-                  max_num_batched_tokens=512, warm_up="full")
+    runs = [("auto", "auto", None)] + [(name, name, None) for name in FORMATS] + [
+        (f"{name}, key offsets calibrated", name, offsets) for name in FORMATS]
+    for label, name, key_offsets in runs:
+        llm = LLM(MODEL, dtype="float32", kv_cache_dtype=name, kv_key_offsets=key_offsets, max_model_len=512,
+                  max_num_seqs=len(questions), max_num_batched_tokens=512, warm_up="full")
         prompts = [llm.engine.chat_prompt([{"role": "user", "content": q}])[0] for q in questions]
-        outputs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        outputs[label] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
-    for name in FORMATS:
-        greedy[name] = agree = greedy_agreement(outputs[name], outputs["auto"])
-        greedy_rows.append([name, f"{100 * agree['identical_prompts']:.1f}%",
+    for label, _, _ in runs[1:]:
+        greedy[label] = agree = greedy_agreement(outputs[label], outputs["auto"])
+        greedy_rows.append([label, f"{100 * agree['identical_prompts']:.1f}%",
                             f"{100 * agree['tokens_before_first_divergence']:.1f}%"])
     print_table(f"Greedy agreement with kv_cache_dtype='auto', {len(questions)} chat prompts x {args.new_tokens} "
                 "tokens (LLM.generate)", ["kv_cache_dtype", "identical prompts", "tokens before first divergence"],

@@ -19,8 +19,8 @@ from models.config import LlamaConfig
 from models.kv_cache_spec import (FullAttentionSpec, QuantizedAttentionSpec, attention_spec, init_kv_caches,
                                   kv_cache_bytes_per_token)
 from paged_jax.attention import make_attention_backend
-from paged_jax.core.kv_quant import (FORMATS, check_scale, from_pages_numpy, get_kv_quant_format, quantize_numpy,
-                                     to_pages_numpy)
+from paged_jax.core.kv_quant import (FORMATS, check_scale, from_pages_numpy, get_kv_quant_format, key_rotation,
+                                     quantize_numpy, to_pages_numpy)
 from paged_jax.core.step_inputs import AttentionMetadata
 from pallas_kernels.kv_cache_write import write_kv_cache
 from test_paged_attention import TOLERANCE, attention_f64, build_batch, cdiv, run_impl
@@ -29,9 +29,30 @@ FORMAT_NAMES = tuple(FORMATS)  # fp8_e4m3, fp8_e5m2, int8
 
 
 def per_token_scales(x, fmt):
-    """amax over head_dim / max_value, as the write computes it (float32)."""
+    """amax over head_dim / max_value (float32): the int8 write's scale, the fp8 write's first candidate."""
     amax = np.max(np.abs(np.asarray(x, np.float32)), axis=-1)
     return np.maximum(amax / np.float32(fmt.max_value), np.finfo(np.float32).tiny).astype(np.float32)
+
+
+def assert_write_scales(x, scale, fmt, rtol=3e-7):
+    """The scales a per-token write chose: amax / max_value for int8; for fp8 one of
+    amax / max_value * 2**(j/8), j < 8, whose rounding leaves the row no more squared error
+    (float64) than any other of them. rtol: how far x may be from what the write was given."""
+    base = per_token_scales(x, fmt)
+    if fmt.is_integer:  # (XLA may divide by a constant as a multiply: 1 ulp)
+        np.testing.assert_allclose(scale, base, rtol=rtol)
+        return
+    j = np.round(np.log2(scale / base) * 8)
+    assert np.all((j >= 0) & (j < 8)), j
+    np.testing.assert_allclose(scale, base * 2.0 ** (j / 8), rtol=max(rtol, 1e-6))
+
+    def error(s):
+        deq = quantize_numpy(x, fmt, s[..., None]).astype(np.float64) * s[..., None]
+        return np.sum((deq - x) ** 2, axis=-1)
+
+    candidates = [error((base * np.float32(2.0 ** (i / 8))).astype(np.float32)) for i in range(8)]
+    assert np.all(error(scale) <= np.min(candidates, axis=0) * (1 + 1e-5))
+    assert np.any(j > 0)  # the search chose something other than amax somewhere
 
 
 # formats and bad input
@@ -139,8 +160,7 @@ def test_quantize_on_write_matches_numpy_and_the_format_error_bound(name):
                                       flat(np.asarray(old))[untouched].astype(np.float32))
     for x, pages, scales in ((k, k_pages, k_scale), (v, v_pages, v_scale)):
         stored, scale = from_pages_numpy(flat(pages)[slots], fmt), flat(scales)[slots]
-        # amax / max_value (XLA may divide by a constant as a multiply: 1 ulp)
-        np.testing.assert_allclose(scale, per_token_scales(x, fmt), rtol=3e-7)
+        assert_write_scales(x, scale, fmt)
         # bit for bit what numpy / ml_dtypes round to
         expected = quantize_numpy(x, fmt, scale[..., None])
         np.testing.assert_array_equal(stored.view(np.uint8), expected.view(np.uint8))
@@ -155,8 +175,9 @@ def test_quantize_on_write_matches_numpy_and_the_format_error_bound(name):
             assert np.all(err[normal] <= fmt.relative_error * np.abs(x[normal]) * (1 + 1e-6))
             bound = 0.5 * float(info.smallest_subnormal) * np.broadcast_to(scale[..., None], x.shape)
             assert np.all(err[~normal] <= bound[~normal] * (1 + 1e-6))
-        # and the bound is nearly reached: a looser rounding would show
-        rel = err / (np.abs(x).max(axis=-1, keepdims=True))
+        # and the bound is nearly reached: a looser rounding would show (int8: relative to the
+        # row's amax; fp8: relative to each element in the normal range)
+        rel = err / np.abs(x).max(axis=-1, keepdims=True) if fmt.is_integer else err[normal] / np.abs(x[normal])
         assert rel.max() > 0.5 * (fmt.relative_error if not fmt.is_integer else 0.5 / fmt.max_value)
 
 
@@ -270,38 +291,51 @@ def test_scales_are_required_in_pairs_and_match_the_pages():
                  k_scale=jnp.ones((3, 16, 1)), v_scale=jnp.ones((3, 16, 1)))
 
 
-@pytest.mark.parametrize("impl, scaling", [("pallas", "per_token"), ("xla", "per_tensor")])
-def test_backend_writes_then_attends(impl, scaling):
-    """The backend end to end (write, then attend) for one prefill and one decode sequence:
-    the pages it leaves equal numpy's quantization, and its output equals float64 attention
-    over those pages dequantized (per-tensor: with static scales 0.5 for K and 3.0 for V)."""
+@pytest.mark.parametrize("impl, scaling, name", [("pallas", "per_token", "fp8_e4m3"), ("xla", "per_token", "int8"),
+                                                 ("xla", "per_tensor", "int8")])
+def test_backend_writes_then_attends(impl, scaling, name):
+    """The backend end to end (write, then attend) for one prefill and one decode sequence,
+    with a key offset: the pages it leaves equal numpy's quantization of (k - offset) @ R (R
+    the orthonormal key_rotation) and v, and its output equals float64 attention of the
+    original queries over the keys those pages stand for, deq @ R^T + offset, and the
+    dequantized values (per-tensor: with static scales 0.5 for K and 3.0 for V)."""
     rng = np.random.default_rng(11)
     num_q_heads, num_kv_heads, head_dim, block_size, num_blocks = 4, 2, 32, 16, 6
-    fmt = FORMATS["int8"]
-    spec = attention_spec(num_kv_heads, head_dim, "float32", "int8", scaling)
+    fmt = FORMATS[name]
+    spec = attention_spec(num_kv_heads, head_dim, "float32", name, scaling)
     backend = make_attention_backend(spec, impl, interpret=impl == "pallas")
     kv_scales = None if scaling == "per_token" else jnp.array([0.5, 3.0], jnp.float32)
+    offset = (rng.standard_normal((num_kv_heads, head_dim)) * 6).astype(np.float32)
+    rotation = key_rotation(head_dim).astype(np.float64)
+    np.testing.assert_allclose(rotation @ rotation.T, np.eye(head_dim), atol=1e-6)
     # sequence 0 prefills 20 tokens into pages [3, 1]; sequence 1 decodes its 1st token in page 4
     slots = np.array([3 * 16 + i for i in range(16)] + [1 * 16 + i for i in range(4)] + [4 * 16], np.int32)
     num_tokens = 24
     q = rng.standard_normal((num_tokens, num_q_heads, head_dim)).astype(np.float32)
-    k = (rng.standard_normal((num_tokens, num_kv_heads, head_dim)) * 4).astype(np.float32)
+    k = (rng.standard_normal((num_tokens, num_kv_heads, head_dim)) * 4 + offset).astype(np.float32)
     v = (rng.standard_normal((num_tokens, num_kv_heads, head_dim)) * 4).astype(np.float32)
     md = AttentionMetadata(slot_mapping=jnp.asarray(np.concatenate([slots, np.zeros(3, np.int32)])),
                            block_tables=jnp.array([[3, 1], [4, 0]], jnp.int32), seq_lens=jnp.array([20, 1], jnp.int32),
                            query_start_loc=jnp.array([0, 20, 21], jnp.int32), num_seqs=jnp.full(1, 2, jnp.int32))
     cache = spec.allocate(num_blocks, block_size)
-    call = backend if kv_scales is None else backend.with_kv_scales(kv_scales)
+    call = backend.bind(kv_scales=kv_scales, key_offset=jnp.asarray(offset))
     out, cache = jax.jit(lambda *a: call(*a, sm_scale=head_dim ** -0.5))(q, k, v, cache, md)
     pages = [np.asarray(a).reshape(num_blocks * block_size, *a.shape[2:])[slots] for a in cache]
+    stored_k = ((k[:21] - offset).astype(np.float64) @ rotation).astype(np.float32)
     if scaling == "per_token":
         k_scale, v_scale = pages[2][..., None], pages[3][..., None]
-        np.testing.assert_allclose(pages[2], per_token_scales(k[:21], fmt), rtol=3e-7)
+        assert_write_scales(stored_k, pages[2], fmt, rtol=2e-6)  # the rotation in f32 vs f64
+        assert_write_scales(v[:21], pages[3], fmt)
     else:
         k_scale, v_scale = np.float32(0.5), np.float32(3.0)
-    np.testing.assert_array_equal(from_pages_numpy(pages[0], fmt), quantize_numpy(k[:21], fmt, k_scale))
-    np.testing.assert_array_equal(from_pages_numpy(pages[1], fmt), quantize_numpy(v[:21], fmt, v_scale))
-    deq_k, deq_v = pages[0] * k_scale.astype(np.float64), pages[1] * v_scale.astype(np.float64)
+    q_k, q_v = from_pages_numpy(pages[0], fmt), from_pages_numpy(pages[1], fmt)
+    # (k - offset) @ R in f32 on the device and in f64 here: a value on a rounding boundary may
+    # land one step away, nothing more
+    steps = np.abs(q_k.astype(np.float64) - quantize_numpy(stored_k, fmt, k_scale).astype(np.float64))
+    assert (steps > 0).sum() <= 2 and np.all(steps <= np.abs(q_k.astype(np.float64)) * 0.125 + 1), steps.max()
+    np.testing.assert_array_equal(q_v, quantize_numpy(v[:21], fmt, v_scale))
+    deq_k = (q_k * k_scale.astype(np.float64)) @ rotation.T + offset
+    deq_v = q_v * v_scale.astype(np.float64)
     for rows, keys in ((slice(0, 20), slice(0, 20)), (slice(20, 21), slice(20, 21))):
         for t in range(rows.start, rows.stop):
             pos = t - rows.start

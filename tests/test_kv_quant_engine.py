@@ -2,7 +2,8 @@
 
 Reference: the dense generation loop (no cache, no paging) with the same quantization applied
 to K and V where they are computed (quantize, then dequantize, per token and KV head, or with
-the static per-tensor scales). The paged engine stores the quantized values and dequantizes
+the static per-tensor scales; keys rotated by key_rotation before and back after, as the pool
+stores them). The paged engine stores the quantized values and dequantizes
 them inside attention, so it must pick the reference's greedy tokens in every configuration.
 """
 
@@ -20,7 +21,7 @@ from engine_reference import (BLOCK_SIZE, ENGINE_CONFIGS, MAX_MODEL_LEN, assert_
                               make_prompts, run_to_completion)
 from models.layers import Attention
 from paged_jax.core.config import CacheConfig, SchedulerConfig
-from paged_jax.core.kv_quant import FORMATS
+from paged_jax.core.kv_quant import FORMATS, key_rotation
 from paged_jax.engine import EngineConfig, LLMEngine
 from paged_jax.runner import ModelRunner
 from pallas_kernels.kv_cache_write import dequantize_pages, quantize_rows
@@ -39,8 +40,12 @@ def fake_quant_dense_greedy(prompts, max_tokens, kv_cache_dtype, kv_scales=None)
 
     def qkv(self, x, positions):
         q, k, v = original(self, x, positions)
-        return q, fake(k, None if kv_scales is None else kv_scales[0]), fake(v, None if kv_scales is None
-                                                                           else kv_scales[1])
+        # keys are stored rotated (the offsets are zeros here): quantize k @ R, read back @ R^T
+        rotation = jnp.asarray(key_rotation(k.shape[-1]))
+        hi = jax.lax.Precision.HIGHEST
+        k = jnp.matmul(fake(jnp.matmul(k.astype(jnp.float32), rotation, precision=hi),
+                            None if kv_scales is None else kv_scales[0]).astype(jnp.float32), rotation.T, precision=hi)
+        return q, k.astype(q.dtype), fake(v, None if kv_scales is None else kv_scales[1])
 
     graphdef, state = nnx.split(big_llm().engine.model)
 

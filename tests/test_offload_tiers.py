@@ -84,18 +84,30 @@ def test_quantized_round_trip_is_within_the_format_error(storage):
 
 def test_codec_stores_what_the_device_pool_would():
     """The same values and scales as quantize-on-write's rule, computed here independently:
-    amax / max_value per row (never below float32's tiny), x / scale rounded and clipped."""
+    amax / max_value per row (never below float32's tiny); for fp8 that times the 2**(j/8),
+    j < 8, whose rounding leaves the row the least squared error; x / scale rounded and clipped."""
     x = random_pages(3, [PageLeaf((16, 2, 8), "float32")], seed=1)[0]
+
+    def rounded(scale):
+        y = np.clip(x / scale[..., None], -fmt.max_value, fmt.max_value)
+        return np.rint(y).astype(np.int8) if fmt.is_integer else y.astype(ml_dtypes.float8_e4m3fn)
+
     for name in ("int8", "fp8_e4m3"):
         fmt = FORMATS[name]
         buffers = PageCodec([PageLeaf((16, 2, 8), "float32")], name).encode([x])
         amax = np.abs(x).max(axis=-1)
         scale = np.maximum(amax / np.float32(fmt.max_value), np.finfo(np.float32).tiny).astype(np.float32)
-        y = np.clip(x / scale[..., None], -fmt.max_value, fmt.max_value)
-        q = np.rint(y).astype(np.int8) if fmt.is_integer else y.astype(ml_dtypes.float8_e4m3fn)
-        q = q.view(np.uint8)
-        assert buffers[:, : 16 * 2 * 8].tobytes() == q.reshape(3, -1).tobytes()
-        assert buffers[:, 16 * 2 * 8 :].view(np.float32).tobytes() == scale.reshape(3, -1).tobytes()
+        stored_scale = buffers[:, 16 * 2 * 8 :].view(np.float32).reshape(scale.shape)
+        if not fmt.is_integer:
+            candidates = [(scale * np.float32(2.0 ** (j / 8))).astype(np.float32) for j in range(8)]
+            errors = [np.sum((rounded(c).astype(np.float64) * c[..., None] - x) ** 2, axis=-1) for c in candidates]
+            chosen = np.argmin(np.abs(np.stack(candidates) - stored_scale), axis=0)
+            assert np.any(chosen > 0)
+            scale = np.take_along_axis(np.stack(candidates), chosen[None], axis=0)[0]
+            assert np.all(np.take_along_axis(np.stack(errors), chosen[None], axis=0)[0]
+                          <= np.min(errors, axis=0) * (1 + 1e-5))
+        assert stored_scale.tobytes() == scale.tobytes()
+        assert buffers[:, : 16 * 2 * 8].tobytes() == rounded(scale).view(np.uint8).reshape(3, -1).tobytes()
 
 
 def test_quantization_saturates_instead_of_overflowing():

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from models.kv_cache_spec import FullAttentionSpec, MLAAttentionSpec, QuantizedAttentionSpec
+from paged_jax.core.kv_quant import key_rotation
 from paged_jax.attention.xla import ragged_paged_attention_xla
 from pallas_kernels.kv_cache_write import write_kv_cache
 from pallas_kernels.paged_attention import PallasConfig, ragged_paged_attention
@@ -85,18 +86,24 @@ class PallasAttention(_FullAttentionBackend):
 @dataclasses.dataclass(frozen=True)
 class _QuantizedAttentionBackend:
     """Shared body of the quantized backends (QuantizedAttentionSpec): quantize on write, then
-    attend over the one-byte pages, dequantized per tile inside the implementation."""
+    attend over the one-byte pages, dequantized per tile inside the implementation.
+
+    Keys are stored centered and rotated, (k - key_offset) @ R with R = key_rotation(head_dim)
+    (paged_jax/core/kv_quant.py says why), and the queries are rotated alike, so both
+    implementations see plain pages and q @ R; the kernels never know.
+    """
 
     spec: QuantizedAttentionSpec
 
     name = "base"
 
-    def with_kv_scales(self, kv_scales):
-        """This backend with one layer's static (k_scale, v_scale), f32[2] (per-tensor scaling):
-        the runner binds each layer's pair as a runtime input of its layer program."""
-        return functools.partial(self, kv_scales=kv_scales)
+    def bind(self, *, kv_scales=None, key_offset=None):
+        """This backend with one layer's static inputs: kv_scales, f32[2] (k_scale, v_scale) of
+        per-tensor scaling; key_offset, f32[num_kv_heads, head_dim] subtracted from every key
+        before it is stored. The runner binds each layer's as runtime inputs of its layer program."""
+        return functools.partial(self, kv_scales=kv_scales, key_offset=key_offset)
 
-    def __call__(self, q, k, v, kv_cache, attn_metadata, *, sm_scale: float, kv_scales=None):
+    def __call__(self, q, k, v, kv_cache, attn_metadata, *, sm_scale: float, kv_scales=None, key_offset=None):
         """Quantize k, v into the pages at attn_metadata.slot_mapping, then attend.
 
         Args:
@@ -108,16 +115,24 @@ class _QuantizedAttentionBackend:
           attn_metadata: a paged_jax.core.step_inputs.AttentionMetadata.
           sm_scale: softmax scale.
           kv_scales: f32[2] static (k_scale, v_scale) of this layer (per-tensor scaling; None: 1.0).
+          key_offset: f32[num_kv_heads, head_dim], this layer's key offset (None: zeros).
         Returns:
           ([T, num_q_heads, head_dim] in spec.dtype, the updated cache tuple).
         """
         md = attn_metadata
-        q = q.astype(self.spec.dtype)
+        rotation = jnp.asarray(key_rotation(self.spec.head_dim))
+        k = k.astype(jnp.float32)
+        if key_offset is not None:
+            k = k - jnp.asarray(key_offset, jnp.float32)
+        # HIGHEST: a GPU's default f32 matmul rounds through TF32
+        k = jnp.matmul(k, rotation, precision=jax.lax.Precision.HIGHEST)
+        q = jnp.matmul(q.astype(jnp.float32), rotation, precision=jax.lax.Precision.HIGHEST)
         attend = functools.partial(self._attend, block_tables=md.block_tables, seq_lens=md.seq_lens,
                                    query_start_loc=md.query_start_loc, num_seqs=md.num_seqs, sm_scale=sm_scale)
         if self.spec.per_token_scales:
             if kv_scales is not None:
                 raise ValueError("static kv_scales apply to kv_cache_scaling='per_tensor' only")
+            q = q.astype(self.spec.dtype)
             kv_cache = write_kv_cache(k, v, *kv_cache[:2], md.slot_mapping, *kv_cache[2:],
                                       kv_cache_dtype=self.spec.kv_cache_dtype)
             k_pages, v_pages, k_scale, v_scale = kv_cache
@@ -126,9 +141,8 @@ class _QuantizedAttentionBackend:
         kv_cache = write_kv_cache(k, v, *kv_cache, md.slot_mapping, tensor_scales=kv_scales,
                                   kv_cache_dtype=self.spec.kv_cache_dtype)
         # One scale for the whole tensor: fold K's into the queries (in f32), V's into the output.
-        q_scaled = (q.astype(jnp.float32) * kv_scales[0]).astype(q.dtype)
-        out = attend(q_scaled, *kv_cache)
-        return (out.astype(jnp.float32) * kv_scales[1]).astype(q.dtype), kv_cache
+        out = attend((q * kv_scales[0]).astype(self.spec.dtype), *kv_cache)
+        return (out.astype(jnp.float32) * kv_scales[1]).astype(self.spec.dtype), kv_cache
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,18 @@ A stored value q and its scale s stand for q * s. Scales are float32:
 - "per_tensor": one static scale per layer for K and one for V (vLLM's k_scale / v_scale),
   1.0 unless given or calibrated; the pages hold no scales.
 Writes round to nearest and saturate at +-max_value, so a large finite value never becomes
-inf or NaN.
+inf or NaN. An fp8 per-token scale is the one of FP8_SCALE_STEPS candidates, amax / max_value
+times 2**(j/8), that leaves the row the least squared error: with 3 mantissa bits the grid
+falls differently on the row's values for each, and no candidate saturates.
+
+Keys are stored centered and rotated: a quantized pool holds (k - key_offset) @ R for each
+(token, KV head), R = key_rotation(head_dim) orthonormal and key_offset one f32[num_kv_heads,
+head_dim] per layer (zeros unless calibrated, paged_jax/kv_calibration.py), and attention
+reads it with q @ R. q.k and the softmax are unchanged (q.(k - m) differs from q.k by q.m, the
+same for every key a query sees), but the rotation spreads a key's outlier channels over all of
+them and the offset removes the large component every key shares, so the error of one byte
+per element costs the logits less (the seed warns that softmax is most sensitive to the keys).
+Values are stored as they are.
 
 Pages hold fp8 values as their bit patterns in uint8 (page_dtype), as vLLM's fp8 caches do:
 page operations (the write's scatter, the attention's gather, offload copies) then move
@@ -22,6 +33,7 @@ and the kernels reinterpret a tile as fp8 once it is loaded.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import ml_dtypes
@@ -89,6 +101,33 @@ def get_kv_quant_format(kv_cache_dtype: str) -> KVQuantFormat | None:
     return FORMATS[_ALIASES.get(kv_cache_dtype, kv_cache_dtype)]
 
 
+# Multipliers of amax / max_value an fp8 per-token scale is chosen among (the first is the
+# plain amax scale; all are >= 1, so no candidate saturates the row's largest element).
+FP8_SCALE_STEPS = (2.0 ** (np.arange(8) / 8)).astype(np.float32)
+
+
+@functools.cache
+def key_rotation(head_dim: int) -> np.ndarray:
+    """The orthonormal f32[head_dim, head_dim] R a quantized pool stores its keys rotated by.
+
+    The Sylvester-Hadamard matrix / sqrt(head_dim) when head_dim is a power of two (every
+    entry +-1/sqrt(head_dim): each rotated channel is an even mix of all of them); else the
+    orthonormal factor of a fixed-seed Gaussian matrix. A pure function of head_dim, so every
+    process and tier that reads a page agrees on it. Read-only.
+    """
+    if head_dim & (head_dim - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < head_dim:
+            h = np.block([[h, h], [h, -h]])
+        r = h / np.sqrt(head_dim)
+    else:
+        q, upper = np.linalg.qr(np.random.default_rng(0).standard_normal((head_dim, head_dim)))
+        r = q * np.sign(np.diag(upper))
+    r = r.astype(np.float32)
+    r.setflags(write=False)
+    return r
+
+
 def check_kv_cache_scaling(kv_cache_scaling: str) -> None:
     if kv_cache_scaling not in KV_CACHE_SCALINGS:
         raise ValueError(f"kv_cache_scaling={kv_cache_scaling!r} is not one of {KV_CACHE_SCALINGS}")
@@ -106,6 +145,24 @@ def check_scale(name: str, value) -> float:
     return scale
 
 
+def check_key_offsets(key_offsets, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """kv_key_offsets as a read-only float32 array: 3-D ([num_layers, num_kv_heads, head_dim],
+    exactly `shape` when given) and finite, else ValueError."""
+    try:
+        offsets = np.array(key_offsets, np.float32)
+    except (TypeError, ValueError):
+        offsets = np.full(1, np.nan, np.float32)
+    want = "[num_layers, num_kv_heads, head_dim]" if shape is None else f"{list(shape)} ([num_layers, " \
+        "num_kv_heads, head_dim])"
+    if offsets.ndim != 3 or (shape is not None and offsets.shape != tuple(shape)):
+        raise ValueError(f"kv_key_offsets must be f32{want}, got shape {offsets.shape}; "
+                         "paged_jax.kv_calibration.calibrate_key_offsets(model, prompts) computes them")
+    if not np.isfinite(offsets).all():
+        raise ValueError("kv_key_offsets must be finite (mean keys of each layer; calibrate_key_offsets computes them)")
+    offsets.setflags(write=False)
+    return offsets
+
+
 def quantize_numpy(x, fmt: KVQuantFormat, scale):
     """Reference rounding on the host: x / scale to the stored dtype, saturated (no NaN or inf).
 
@@ -121,16 +178,26 @@ def quantize_numpy(x, fmt: KVQuantFormat, scale):
 
 
 def per_token_scale_numpy(x, fmt: KVQuantFormat):
-    """The per-token scale rule on the host: amax over the last axis / max_value, at least
-    MIN_SCALE (float32), as the device's quantize-on-write computes it.
+    """The per-token scale rule on the host, as the device's quantize-on-write computes it:
+    amax over the last axis / max_value, at least MIN_SCALE (float32); for fp8, times the
+    FP8_SCALE_STEPS multiplier whose rounding leaves the row the least squared error (the
+    first on a tie).
 
     Args:
       x: float array [..., head_dim].
     Returns:
       f32[...] (x's shape without its last axis).
     """
-    amax = np.max(np.abs(np.asarray(x, np.float32)), axis=-1)
-    return np.maximum(amax / np.float32(fmt.max_value), np.float32(MIN_SCALE)).astype(np.float32)
+    x = np.asarray(x, np.float32)
+    base = np.maximum(np.max(np.abs(x), axis=-1) / np.float32(fmt.max_value), np.float32(MIN_SCALE))
+    base = base.astype(np.float32)
+    if fmt.is_integer:
+        return base
+    units = x / base[..., None]  # errors in units of base: a huge row cannot overflow them
+    candidates = base[..., None] * FP8_SCALE_STEPS  # [..., steps]
+    errors = np.stack([np.sum((quantize_numpy(x, fmt, candidates[..., j, None]).astype(np.float32) * step - units) ** 2,
+                              axis=-1) for j, step in enumerate(FP8_SCALE_STEPS)], axis=-1)
+    return np.take_along_axis(candidates, np.argmin(errors, axis=-1)[..., None], axis=-1)[..., 0]
 
 
 def to_pages_numpy(q, fmt: KVQuantFormat):
