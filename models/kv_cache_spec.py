@@ -23,10 +23,15 @@ Layouts (the one place they are written down):
   plus, with the default
   per-token scaling, k_scale and v_scale, each f32[num_blocks, block_size, num_kv_heads]: the
   scales are two more leaves of the same paged layout, so a block's scales move, are shared by
-  prefix hits and are evicted with its pages. Slot s of a layer stands for
-  k_pages[s] * k_scale[s][:, None]. With per-tensor scaling the layer's cache is only
-  (k_pages, v_pages) and its static K and V scales (vLLM's k_scale / v_scale) are runtime
-  inputs of the layer program (ModelRunner.kv_scales), not leaves of the pool.
+  prefix hits and are evicted with its pages. Slot s of a layer stands for the value
+  v_pages[s] * v_scale[s][:, None] and the key (k_pages[s] * k_scale[s][:, None]) @ R.T +
+  key_offset: keys are stored centered and rotated, (k - key_offset) @ R, with R =
+  kv_quant.key_rotation(head_dim) (orthonormal) and key_offset the layer's
+  f32[num_kv_heads, head_dim] (zeros unless calibrated), and attention reads them with q @ R
+  (kv_quant.py says why). With per-tensor scaling the layer's cache is only (k_pages,
+  v_pages). The static per-layer inputs, key offsets and per-tensor K and V scales (vLLM's
+  k_scale / v_scale), are runtime inputs of the layer program (ModelRunner.layer_inputs),
+  not leaves of the pool.
 """
 
 from __future__ import annotations

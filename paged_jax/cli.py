@@ -7,6 +7,9 @@
   turn reuses the earlier turns' KV through the prefix cache, and a stats line per turn
   shows the hit.
 - `serve`: the OpenAI-compatible HTTP server (paged_jax/server/).
+- `calibrate-kv`: a quantized pool's static inputs from a few passages of text (key offsets,
+  and per-tensor scales with --kv-cache-scaling per_tensor), saved as an .npz that the other
+  commands take with --kv-calibration.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from paged_jax.compile_cache import WARM_UP_MODES, default_compile_cache_dir
-from paged_jax.core.kv_quant import KV_CACHE_DTYPES, KV_CACHE_SCALINGS
+from paged_jax.core.kv_quant import KV_CACHE_DTYPES, KV_CACHE_SCALINGS, load_kv_calibration
 from paged_jax.core.page_codec import STORAGE_DTYPES
 
 
@@ -39,6 +42,9 @@ def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int | Non
                    help="KV-cache storage: auto (the dtype), fp8 (= fp8_e4m3), fp8_e5m2 or int8 (one byte per element)")
     m.add_argument("--kv-cache-scaling", default="per_token", choices=KV_CACHE_SCALINGS,
                    help="scales of a quantized KV cache: per (token, KV head) beside the pages, or per tensor")
+    m.add_argument("--kv-calibration", default=None, metavar="FILE.npz",
+                   help="a quantized cache's key offsets (and per-tensor scales) from `paged-jax calibrate-kv`; "
+                        "default: none (offsets zero, per-tensor scales 1.0)")
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--num-blocks", type=int, default=None, help="KV blocks incl. the null block (default: 90%% of a GPU's free memory; on the CPU room "
                         "for --max-num-seqs full-length sequences, at most 4 GiB)")
@@ -129,6 +135,21 @@ def _parser() -> argparse.ArgumentParser:
                         "(vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU; default: 1 on machines of 4 cores or "
                         "more, else 0). On few cores a small model whose engine makes thousands of "
                         "tokens/s serves more with 1 (docs/BENCHMARKS.md, section 11)")
+
+    k = sub.add_parser("calibrate-kv", help="key offsets (and per-tensor scales) of a quantized KV cache, from text")
+    k.set_defaults(parser=k)
+    k.add_argument("--model", default="tiny", help="as for generate")
+    k.add_argument("--dtype", default=None, help="compute dtype (default: the model's)")
+    k.add_argument("--kv-cache-dtype", default="fp8", choices=[name for name in KV_CACHE_DTYPES if name != "auto"],
+                   help="the format per-tensor scales are computed for (default: %(default)s)")
+    k.add_argument("--kv-cache-scaling", default="per_token", choices=KV_CACHE_SCALINGS,
+                   help="per_tensor also computes each layer's static K and V scales")
+    k.add_argument("--text", default=None,
+                   help="a text file of representative input, cut into passages (default: the last passages of "
+                        "Python's own documentation, pydoc_data.topics)")
+    k.add_argument("--num-passages", type=int, default=8)
+    k.add_argument("--passage-tokens", type=int, default=256)
+    k.add_argument("--out", required=True, help="the .npz to write (give it to --kv-calibration)")
     return parser
 
 
@@ -189,7 +210,14 @@ def _engine_args(args) -> dict:
                 attention_impl=args.attention_impl, warm_up=args.warm_up,
                 compile_cache_dir=None if args.no_compile_cache else args.compile_cache_dir,
                 layers_per_program=args.layers_per_program, tensor_parallel_size=args.tensor_parallel_size,
-                data_parallel_size=args.data_parallel_size, **_offload_args(args))
+                data_parallel_size=args.data_parallel_size, **_offload_args(args), **_calibration_args(args))
+
+
+def _calibration_args(args) -> dict:
+    """EngineConfig fields of --kv-calibration (none without it)."""
+    if not args.kv_calibration:
+        return {}
+    return load_kv_calibration(args.kv_calibration, args.kv_cache_dtype, args.kv_cache_scaling)
 
 
 def _offload_args(args) -> dict:
@@ -365,12 +393,62 @@ def serve(args, console: Console) -> int:
     return 0
 
 
+def _calibration_passages(args, tokenizer) -> list[list[int]]:
+    """--num-passages token lists of --passage-tokens each: consecutive cuts of --text, or the
+    last documentation topics long enough (pydoc_data.topics, sorted by name)."""
+    n, length = args.num_passages, args.passage_tokens
+    if n < 1 or length < 2:
+        raise ValueError(f"--num-passages {n} and --passage-tokens {length} must be >= 1 and >= 2")
+    if args.text:
+        try:
+            with open(args.text, encoding="utf-8") as f:
+                ids = tokenizer.encode(f.read())
+        except OSError as error:
+            raise ValueError(f"--text {args.text}: {error.strerror or error}; give a readable text file") from error
+        passages = [ids[i : i + length] for i in range(0, len(ids) - length + 1, length)][:n]
+    else:
+        from pydoc_data.topics import topics
+
+        passages = []
+        for name in sorted(topics, reverse=True):
+            if len(passages) == n:
+                break
+            if len(ids := tokenizer.encode(topics[name])) >= length:
+                passages.append(ids[:length])
+    if len(passages) < n:
+        raise ValueError(f"the text holds {len(passages)} passages of {length} tokens, not --num-passages {n}; "
+                         "give more text or lower them")
+    return passages
+
+
+def calibrate_kv(args, console: Console) -> int:
+    from models.registry import load_model, load_tokenizer  # jax loads here
+    from paged_jax.core.kv_quant import save_kv_calibration
+    from paged_jax.kv_calibration import calibrate_key_offsets, calibrate_kv_scales
+
+    tokenizer = load_tokenizer(args.model)
+    passages = _calibration_passages(args, tokenizer)
+    model = load_model(args.model, dtype=args.dtype)
+    offsets = calibrate_key_offsets(model, passages)
+    scales = None
+    if args.kv_cache_scaling == "per_tensor":
+        scales = calibrate_kv_scales(model, passages, args.kv_cache_dtype, key_offsets=offsets)
+    save_kv_calibration(args.out, offsets, scales, args.kv_cache_dtype)
+    norms = np.linalg.norm(offsets, axis=-1)  # [layers, KV heads]
+    console.print(f"paged-jax: {args.out}: key offsets of {offsets.shape[0]} layers x {offsets.shape[1]} KV heads "
+                  f"(norm {norms.min():.3g}..{norms.max():.3g}) from {len(passages)} passages x "
+                  f"{args.passage_tokens} tokens" + (f", per-tensor {args.kv_cache_dtype} scales" if scales else "")
+                  + f"; use it with --kv-cache-dtype {args.kv_cache_dtype} --kv-calibration {args.out}",
+                  highlight=False, soft_wrap=True)  # soft: the path stays whole for copying
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     # Flag values are checked before jax loads, and answered like argparse's own errors
     # (usage line, message, exit status 2).
     try:
-        params = _sampling_params(args) if args.command != "serve" else None
+        params = _sampling_params(args) if args.command in ("generate", "chat") else None
         prompts = _read_prompts(args) if args.command == "generate" else None
     except ValueError as error:
         args.parser.error(str(error))
@@ -380,6 +458,8 @@ def main(argv=None) -> int:
             return chat(args, params, console)
         if args.command == "serve":
             return serve(args, console)
+        if args.command == "calibrate-kv":
+            return calibrate_kv(args, console)
         return generate(args, params, prompts, console)
     except ValueError as error:  # bad input found later (model dir, cache sizes): what to change, no traceback
         print(f"paged-jax: error: {error}", file=sys.stderr)

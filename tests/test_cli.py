@@ -141,3 +141,40 @@ def test_generate_runs_as_many_sequences_as_it_has_prompts(monkeypatch):
         with pytest.raises(Built) as built:
             cli.main(["generate", *argv])
         assert built.value.args == (expected,)
+
+
+def test_calibrate_kv_writes_what_the_api_computes_and_generate_reads_it(tmp_path: Path):
+    """`calibrate-kv` cuts --text into passages and saves calibrate_key_offsets and (per_tensor)
+    calibrate_kv_scales of them; generate takes the file with --kv-calibration, and refuses one
+    whose scales are of another format, or no calibration at all."""
+    import numpy as np
+
+    from paged_jax.kv_calibration import calibrate_key_offsets, calibrate_kv_scales
+
+    text = tmp_path / "text.txt"
+    text.write_text("The paged cache keeps its blocks in a pool; prefix hits share them. " * 20, encoding="utf-8")
+    out = tmp_path / "cal.npz"
+    result = _cli("calibrate-kv", "--text", str(text), "--num-passages", "3", "--passage-tokens", "32",
+                  "--kv-cache-dtype", "int8", "--kv-cache-scaling", "per_tensor", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "key offsets of 2 layers" in result.stdout and "--kv-calibration" in result.stdout
+    llm = big_llm()
+    ids = llm.tokenizer.encode(text.read_text(encoding="utf-8"))
+    passages = [ids[i : i + 32] for i in range(0, 96, 32)]
+    offsets = calibrate_key_offsets(llm.engine.model, passages)
+    with np.load(out) as saved:
+        np.testing.assert_allclose(saved["key_offsets"], offsets, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(saved["kv_scales"], calibrate_kv_scales(llm.engine.model, passages, "int8",
+                                                                           key_offsets=offsets), rtol=1e-5)
+        assert str(saved["kv_cache_dtype"]) == "int8"
+
+    result = _cli("generate", "--prompt", "hi", "--max-tokens", "4", "--kv-cache-dtype", "int8", "--kv-cache-scaling",
+                  "per_tensor", "--kv-calibration", str(out), "--json", *ENGINE_FLAGS)
+    assert result.returncode == 0, result.stderr
+    assert len(json.loads(result.stdout.splitlines()[0])["token_ids"]) == 4
+    result = _cli("generate", "--prompt", "hi", "--kv-cache-dtype", "fp8", "--kv-cache-scaling", "per_tensor",
+                  "--kv-calibration", str(out), timeout=120)
+    assert result.returncode == 2 and "holds no per-tensor scales for fp8_e4m3 (it has int8)" in result.stderr
+    result = _cli("generate", "--prompt", "hi", "--kv-calibration", str(text), "--kv-cache-dtype", "fp8", timeout=120)
+    assert result.returncode == 2 and "not a readable .npz" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -96,6 +96,39 @@ def test_engine_config_rejects_bad_quantization_arguments():
         EngineConfig(kv_cache_dtype="fp8", kv_cache_scaling="per_tensor", kv_scales=[(1.0, 2.0), (float("nan"), 1)])
     with pytest.raises(ValueError, match="per_tensor"):
         EngineConfig(kv_cache_dtype="fp8", kv_scales=(1.0, 1.0))  # per-token scaling has no static scales
+    offsets = np.zeros((2, 2, 16), np.float32)
+    with pytest.raises(ValueError, match="kv_key_offsets .*quantized pool.*'fp8'"):
+        EngineConfig(kv_key_offsets=offsets)  # kv_cache_dtype="auto"
+    with pytest.raises(ValueError, match=r"kv_key_offsets must be f32\[num_layers, num_kv_heads, head_dim\].*"
+                                         "calibrate_key_offsets"):
+        EngineConfig(kv_cache_dtype="int8", kv_key_offsets=offsets[0])
+    with pytest.raises(ValueError, match="kv_key_offsets must be finite"):
+        EngineConfig(kv_cache_dtype="int8", kv_key_offsets=np.where(offsets == 0, np.inf, offsets))
+    config = EngineConfig(kv_cache_dtype="fp8", kv_key_offsets=offsets + 0.5)
+    assert hash(config) == hash(EngineConfig(kv_cache_dtype="fp8", kv_key_offsets=(offsets + 0.5).tolist()))
+
+
+def test_runner_rejects_key_offsets_of_another_shape():
+    """The model's shape is known once it is loaded: the runner names it."""
+    from paged_jax.runner import static_key_offsets
+
+    spec = attention_spec(2, 16, "float32", "fp8")
+    assert static_key_offsets(spec, None, 3).shape == (3, 2, 16) and not np.any(static_key_offsets(spec, None, 3))
+    with pytest.raises(ValueError, match=r"f32\[3, 2, 16\] \(\[num_layers, num_kv_heads, head_dim\]\), got shape "
+                                         r"\(2, 2, 16\)"):
+        static_key_offsets(spec, np.zeros((2, 2, 16)), 3)
+    with pytest.raises(ValueError, match="need a quantized kv_cache_dtype"):
+        static_key_offsets(attention_spec(2, 16, "float32"), np.zeros((3, 2, 16)), 3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_key_rotation_is_orthonormal_and_mixes_every_channel(head_dim):
+    r = key_rotation(head_dim).astype(np.float64)
+    np.testing.assert_allclose(r @ r.T, np.eye(head_dim), atol=1e-6)
+    assert np.all(np.abs(r) > 0) if head_dim == 64 else np.mean(np.abs(r) > 1e-3) > 0.95
+    if head_dim == 64:  # Hadamard: every entry +-1/8
+        np.testing.assert_array_equal(np.abs(r), np.full((64, 64), 1 / 8))
+    assert key_rotation(head_dim) is key_rotation(head_dim) and not key_rotation(head_dim).flags.writeable
 
 
 # sizing

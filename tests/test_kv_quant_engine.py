@@ -178,3 +178,83 @@ def test_memory_budget_holds_more_tokens_when_quantized():
     expected_ratio = 8 * head_dim / (2 * head_dim + 8)
     assert abs(blocks[("float32", "fp8")] / blocks[("float32", "auto")] - expected_ratio) < 0.05
     assert abs(blocks[("float32", "fp8")] / blocks[("bfloat16", "auto")] - expected_ratio / 2) < 0.05
+
+
+def dense_keys_values(model, token_ids) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each layer's (keys, values) f32[T, K, H] of one sequence as the dense forward (no cache)
+    computes them: K after RoPE, captured where Attention computes them."""
+    captured, original = [], Attention._qkv
+
+    def qkv(self, x, positions):
+        q, k, v = original(self, x, positions)
+        captured.append((np.asarray(k, np.float32)[0], np.asarray(v, np.float32)[0]))
+        return q, k, v
+
+    Attention._qkv = qkv
+    try:
+        model.dense_forward(jnp.asarray([token_ids], jnp.int32))
+    finally:
+        Attention._qkv = original
+    return captured
+
+
+def test_calibration_reads_the_dense_models_keys_and_values(workload):
+    """calibrate_key_offsets is each layer's mean key over every prompt token, and
+    calibrate_kv_scales' K scale covers the keys as the pool stores them, (k - offset) @ R:
+    both against the dense forward's own K and V."""
+    from paged_jax.kv_calibration import calibrate_key_offsets, calibrate_kv_scales
+
+    model = big_llm().engine.model
+    prompts = [p for p in workload[0] if len(p) > 20][:3]
+    dense = [dense_keys_values(model, p) for p in prompts]  # [prompt][layer] -> (k, v)
+    keys = [np.concatenate([d[i][0] for d in dense]) for i in range(len(model.layers))]
+    values = [np.concatenate([d[i][1] for d in dense]) for i in range(len(model.layers))]
+    offsets = calibrate_key_offsets(model, prompts)
+    expected = np.stack([k.mean(axis=0) for k in keys])
+    assert offsets.shape == expected.shape and np.abs(expected).max() > 0.1
+    np.testing.assert_allclose(offsets, expected, rtol=1e-4, atol=1e-5)
+
+    rotation = key_rotation(keys[0].shape[-1]).astype(np.float64)
+    scales = np.array(calibrate_kv_scales(model, prompts, "int8", key_offsets=offsets))
+    for i, (k, v) in enumerate(zip(keys, values)):
+        stored = (k - offsets[i]).astype(np.float64) @ rotation
+        np.testing.assert_allclose(scales[i], [np.abs(stored).max() / 127, np.abs(v).max() / 127], rtol=1e-4)
+    with pytest.raises(ValueError, match="at least one non-empty prompt"):
+        calibrate_key_offsets(model, [[]])
+
+
+def test_pages_hold_each_layers_centered_rotated_keys(workload):
+    """With kv_key_offsets (a different one per layer, one layer per program), each layer's
+    pages stand for (k - offset[layer]) @ R: read back, rotated back and offset again, they
+    equal the dense forward's keys within fp8's error, and its values as they are. A layer
+    given another layer's offset, or none, misses by the offset's size."""
+    base = big_llm().engine
+    model = base.model
+    prompt = max(workload[0], key=len)
+    dense = dense_keys_values(model, prompt)
+    rng = np.random.default_rng(5)
+    rms = np.sqrt(np.mean([np.mean(k ** 2) for k, _ in dense]))
+    offsets = (rng.standard_normal((len(dense), *dense[0][0].shape[1:])) * 3 * rms).astype(np.float32)
+    config = EngineConfig(model="tiny", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, warm_up="none",
+                          kv_cache_dtype="fp8", kv_key_offsets=offsets, layers_per_program=1,
+                          max_num_batched_tokens=256, num_blocks=64)
+    engine = LLMEngine(config, model=model, tokenizer=base.tokenizer)
+    engine.add_request("r", prompt, greedy_params(4))
+    engine.step()  # the whole prompt is prefilled in this step
+    block_ids = engine.kv_cache_manager.get_block_ids("r")
+    fmt = FORMATS["fp8_e4m3"]
+    rotation = key_rotation(dense[0][0].shape[-1]).astype(np.float64)
+    n = len(prompt)
+    for i, ((k, v), cache) in enumerate(zip(dense, engine.runner.kv_caches)):
+        k_pages, v_pages, k_scale, v_scale = (np.asarray(a)[block_ids].reshape(-1, *a.shape[2:])[:n] for a in cache)
+        stored = dequantize_pages(jnp.asarray(k_pages), jnp.asarray(k_scale), fmt)
+        keys = np.asarray(stored, np.float64) @ rotation.T + offsets[i]
+        err = np.linalg.norm(keys - k, axis=-1) / np.linalg.norm(k - offsets[i], axis=-1)
+        assert err.max() <= fmt.relative_error * 1.01, (i, err.max())
+        values = np.asarray(dequantize_pages(jnp.asarray(v_pages), jnp.asarray(v_scale), fmt))
+        assert np.all(np.abs(values - v) <= fmt.relative_error * np.abs(v).max(axis=-1, keepdims=True))
+        other = offsets[(i + 1) % len(offsets)]
+        assert np.min(np.linalg.norm(keys - offsets[i] + other - k, axis=-1)
+                      / np.linalg.norm(k - offsets[i], axis=-1)) > 10 * fmt.relative_error
+    run_to_completion(engine)
+    assert_no_leak(engine)

@@ -215,3 +215,47 @@ def dequantize_numpy(q, scale, fmt: KVQuantFormat | None = None):
     if fmt is not None:
         q = from_pages_numpy(q, fmt)
     return np.asarray(q).astype(np.float32) * np.asarray(scale, np.float32)
+
+
+def save_kv_calibration(path: str, key_offsets, kv_scales=None, kv_cache_dtype: str | None = None) -> None:
+    """Write a calibration (`paged-jax calibrate-kv`) as an .npz: key_offsets
+    f32[num_layers, num_kv_heads, head_dim]; with per-tensor scales, kv_scales f32[num_layers, 2]
+    and the kv_cache_dtype they were computed for (their range is that format's)."""
+    arrays = {"key_offsets": check_key_offsets(key_offsets)}
+    if kv_scales is not None:
+        fmt = get_kv_quant_format(kv_cache_dtype or "auto")
+        if fmt is None:
+            raise ValueError("kv_scales are computed for a format: give kv_cache_dtype ('fp8', 'fp8_e5m2' or 'int8')")
+        arrays |= {"kv_scales": np.asarray(kv_scales, np.float32), "kv_cache_dtype": np.array(fmt.name)}
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def load_kv_calibration(path: str, kv_cache_dtype: str, kv_cache_scaling: str) -> dict:
+    """The EngineConfig fields a calibration file sets for this cache: kv_key_offsets, and
+    kv_scales when the pool is scaled per tensor (the file must hold scales of the same format).
+
+    Raises:
+      ValueError: unreadable file, not a calibration, or scales missing / of another format.
+    """
+    fmt = get_kv_quant_format(kv_cache_dtype)
+    if fmt is None:
+        raise ValueError(f"--kv-calibration {path}: a calibration applies to a quantized pool; set --kv-cache-dtype "
+                         "to fp8, fp8_e5m2 or int8")
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            arrays = {name: data[name] for name in data.files}
+    except (OSError, ValueError) as error:
+        raise ValueError(f"--kv-calibration {path}: not a readable .npz ({error}); write one with "
+                         "`paged-jax calibrate-kv`") from error
+    if "key_offsets" not in arrays:
+        raise ValueError(f"--kv-calibration {path} holds no key_offsets; write it with `paged-jax calibrate-kv`")
+    out = {"kv_key_offsets": check_key_offsets(arrays["key_offsets"])}
+    if kv_cache_scaling == "per_tensor":
+        stored = str(arrays["kv_cache_dtype"]) if "kv_cache_dtype" in arrays else None
+        if "kv_scales" not in arrays or stored != fmt.name:
+            raise ValueError(f"--kv-calibration {path} holds no per-tensor scales for {fmt.name} (it has "
+                             f"{stored or 'none'}); run `paged-jax calibrate-kv --kv-cache-dtype {fmt.name} "
+                             "--kv-cache-scaling per_tensor`")
+        out["kv_scales"] = tuple(map(tuple, arrays["kv_scales"].tolist()))
+    return out
