@@ -131,7 +131,7 @@ def main() -> int:
     print(f"  whole step            {step_ms:7.1f} ms")
     print(f"  without attention     {rest_ms:7.1f} ms")
     print(f"  attention (8 layers)  {step_ms - rest_ms:7.1f} ms ({(step_ms - rest_ms) / step_ms:.0%})")
-    print(f"top thunks under the profiler (which slows the step), ms per step, calls per step:")
+    print("top thunks under the profiler (which slows the step), ms per step, calls per step:")
     for name, ms, calls in thunks[:args.top]:
         print(f"  {ms:7.2f} ms  x{calls:<4d} {name}")
     return 0

@@ -302,3 +302,17 @@ def test_offload_arguments_are_checked():
     EngineConfig(offload_host_bytes=1 << 20, offload_dtype="fp8_e5m2")
     with pytest.raises(ValueError, match="cannot hold one block"):
         offload_engine(offload_host_bytes=100)
+
+
+def test_disk_tier_of_a_quantized_pool_belongs_to_its_key_offsets(tmp_path):
+    """A quantized pool's pages hold keys less the layer's offsets: a disk directory written
+    with one set of kv_key_offsets is refused by an engine with another (or with none), and
+    accepted with the same ones."""
+    offsets = np.full((2, 2, 16), 0.25, np.float32)
+    settings = dict(kv_cache_dtype="int8", offload_host_bytes=16 * QUANT_BLOCK_BYTES, offload_disk_dir=str(tmp_path),
+                    hash_seed=7)
+    offload_engine(**settings, kv_key_offsets=offsets).offload.disk.close()
+    offload_engine(**settings, kv_key_offsets=offsets.copy()).offload.disk.close()
+    for other in (offsets + 0.5, None):
+        with pytest.raises(ValueError, match="kv_key_offsets: '[0-9a-f]{64}' in the directory, "):
+            offload_engine(**settings, kv_key_offsets=other)
