@@ -19,7 +19,8 @@
   prompts; tokens before the first divergence).
 --speed: decode steps of the benchmark-shaped model at --context tokens of context for --seqs
   sequences (pool pages filled with random values, block tables random), the formats
-  interleaved run by run; decode tokens/s (median) and the K/V bytes each step reads.
+  interleaved run by run; decode tokens/s (median) and the K/V bytes each step reads; and a
+  prefill step of --prefill-tokens tokens (what quantize-on-write costs).
 --key-study: what each of the pool's three defences against key error buys fp8_e4m3 with
   per-token scales (teacher-forced, as --quality), each alone and together, with K and V
   quantized and dequantized on write here over the unquantized backend: the per-token scale
@@ -319,10 +320,24 @@ def speed(args) -> dict:
                           query_start_loc=np.arange(s + 1, dtype=np.int32), num_seqs=np.array([s], np.int32)),
         SamplingMetadata(temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32),
                          top_p=np.ones(s, np.float32), rng_keys=np.zeros((s, 2), np.uint32)))
+    # a prefill step: --prefill-tokens tokens of one more sequence into pages of its own (the
+    # write path quantizes every one of them: the fp8 scale search and the key rotation)
+    p = args.prefill_tokens
+    prefill_table = np.zeros((s, pages_per_seq), np.int32)
+    prefill_table[0, : -(-p // block_size)] = tables[0, : -(-p // block_size)]
+    prefill = StepInputs(
+        ModelInputs(token_ids=rng.integers(0, config.vocab_size, p).astype(np.int32),
+                    positions=np.arange(p, dtype=np.int32), logits_indices=np.full(s, p - 1, np.int32)),
+        AttentionMetadata(slot_mapping=(prefill_table[0, np.arange(p) // block_size] * block_size
+                                        + np.arange(p) % block_size).astype(np.int32),
+                          block_tables=prefill_table, seq_lens=np.array([p] + [0] * (s - 1), np.int32),
+                          query_start_loc=np.array([0] + [p] * s, np.int32), num_seqs=np.array([1], np.int32)),
+        inputs.sampling)
     runners = {}
     for name in ("auto", *FORMATS):
         runner = ModelRunner(model, CacheConfig(block_size, num_blocks, max_model_len),
-                             SchedulerConfig(s, s, max_model_len), kv_cache_quant=name, attention_impl=args.impl)
+                             SchedulerConfig(s, max(s, p), max_model_len), kv_cache_quant=name,
+                             attention_impl=args.impl)
         keys = jax.random.split(jax.random.key(1), 4 * len(runner.kv_caches))
         caches = []
         for i, cache in enumerate(runner.kv_caches):  # random pages (and positive scales) everywhere
@@ -332,28 +347,35 @@ def speed(args) -> dict:
                 for j, a in enumerate(cache)))
         runner.kv_caches = caches
         runner.execute(inputs)  # compile
+        runner.execute(prefill)
         kv_bytes = sum(a.nbytes for c in caches for a in c) * (s * (ctx + 1)) / (num_blocks * block_size)
         runners[name] = (runner, kv_bytes)
     times = {name: [] for name in runners}
+    prefill_times = {name: [] for name in runners}
     for _ in range(args.steps):
         for name, (runner, _) in runners.items():  # interleaved: drift hits every format alike
             start = time.perf_counter()
             runner.execute(inputs)
             times[name].append(time.perf_counter() - start)
-    base = median(times["auto"])
+            start = time.perf_counter()
+            runner.execute(prefill)
+            prefill_times[name].append(time.perf_counter() - start)
+    base, prefill_base = median(times["auto"]), median(prefill_times["auto"])
     rows, out = [], {}
     for name, (runner, kv_bytes) in runners.items():
-        t = median(times[name])
+        t, tp = median(times[name]), median(prefill_times[name])
         out[name] = dict(step_ms=1e3 * t, decode_tok_s=s / t, kv_bytes_read_per_step=kv_bytes,
-                         speedup_vs_auto=base / t)
-        rows.append([name, f"{1e3 * t:.1f}", f"{s / t:.1f}", f"{kv_bytes / 2**20:.1f}", f"{base / t:.2f}x"])
-    print_table(f"Decode, {s} sequences x {ctx} tokens of context, {config.num_layers} layers, "
-                f"{config.num_kv_heads} KV heads x {config.head_dim}, {args.dtype} compute, "
+                         speedup_vs_auto=base / t, prefill_step_ms=1e3 * tp, prefill_vs_auto=prefill_base / tp)
+        rows.append([name, f"{1e3 * t:.1f}", f"{s / t:.1f}", f"{kv_bytes / 2**20:.1f}", f"{base / t:.2f}x",
+                     f"{1e3 * tp:.1f}", f"{prefill_base / tp:.2f}x"])
+    print_table(f"Decode, {s} sequences x {ctx} tokens of context, and a prefill of {p} tokens, {config.num_layers} "
+                f"layers, {config.num_kv_heads} KV heads x {config.head_dim}, {args.dtype} compute, "
                 f"attention={runners['auto'][0].attention_impl}, "
                 f"{jax.default_backend()}; median of {args.steps} interleaved steps",
-                ["kv_cache_dtype", "step ms", "decode tok/s", "K/V MiB read / step", "vs auto"], rows)
-    return dict(formats=out, seqs=s, context=ctx, dtype=args.dtype, impl=args.impl, steps=args.steps,
-                backend=jax.default_backend())
+                ["kv_cache_dtype", "decode step ms", "decode tok/s", "K/V MiB read / step", "vs auto",
+                 "prefill step ms", "vs auto"], rows)
+    return dict(formats=out, seqs=s, context=ctx, prefill_tokens=p, dtype=args.dtype, impl=args.impl,
+                steps=args.steps, backend=jax.default_backend())
 
 
 def main(argv=None) -> int:
@@ -368,6 +390,7 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prefill-tokens", type=int, default=512, help="tokens of the speed run's prefill step")
     parser.add_argument("--dtype", default="float32", help="compute dtype of the speed model")
     parser.add_argument("--impl", default=None, help="attention impl of the speed run (default: the platform's)")
     parser.add_argument("--out", default=None, help="results file (default: results/bench_kv_quant_<mode>.json)")
