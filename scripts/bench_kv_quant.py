@@ -29,7 +29,9 @@
   (q.k is unchanged; the rotated key spreads its outlier channels over all of them); the
   per-layer, per-channel key mean calibrated on 4 other passages and subtracted before
   quantizing (softmax is blind to one offset shared by every key of a query). The pool does
-  the first two always and the third with kv_key_offsets.
+  the first two always and the third with kv_key_offsets. --calibration-text FILE adds the
+  pool with offsets calibrated on the first 4 x --tokens tokens of FILE instead (another
+  domain than the evaluation's: does the calibration carry over?).
 Writes results/bench_kv_quant_<mode>.json.
 """
 
@@ -182,6 +184,14 @@ def key_study(args) -> dict:
         ("the pool's fp8_e4m3 with kv_key_offsets", "4 passages",
          dict(spec=model.kv_cache_specs(None, "fp8_e4m3")[0], key_offsets=means)),
     ]
+    if args.calibration_text:
+        with open(args.calibration_text, encoding="utf-8") as f:
+            ids = tokenizer.encode(f.read())
+        if len(ids) < 4 * args.tokens:
+            raise SystemExit(f"--calibration-text holds {len(ids)} tokens, fewer than 4 x --tokens")
+        other = calibrate_key_offsets(model, [ids[i : i + args.tokens] for i in range(0, 4 * args.tokens, args.tokens)])
+        variants.append(("the pool's fp8_e4m3 with kv_key_offsets", os.path.basename(args.calibration_text),
+                         dict(spec=model.kv_cache_specs(None, "fp8_e4m3")[0], key_offsets=other)))
     rows, results, ref = [], [], None
     for name, calibration, kwargs in variants:
         kwargs.setdefault("spec", auto_spec)
@@ -390,6 +400,7 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--calibration-text", default=None, help="--key-study: also calibrate on this text file")
     parser.add_argument("--prefill-tokens", type=int, default=512, help="tokens of the speed run's prefill step")
     parser.add_argument("--dtype", default="float32", help="compute dtype of the speed model")
     parser.add_argument("--impl", default=None, help="attention impl of the speed run (default: the platform's)")
