@@ -54,8 +54,9 @@ def build_offload_manager(config, cache_config, runner, model, kv_events=None) -
     if offload.disk_dir is not None:
         hash_fn = get_hash_fn_by_name(cache_config.hash_algo)
         offsets = runner.kv_key_offsets  # a quantized pool's keys are stored less these
+        digest = None if offsets is None else hashlib.sha256(np.asarray(offsets).tobytes()).hexdigest()
         meta = {"model": model_fingerprint(model), "block_size": cache_config.block_size, **codec.describe(),
-                "kv_key_offsets": None if offsets is None else hashlib.sha256(np.asarray(offsets).tobytes()).hexdigest(),
+                "kv_key_offsets": digest,
                 "hash_algo": cache_config.hash_algo,
                 "chain_root": make_none_hash(hash_fn, cache_config.hash_seed).hex()}
         disk = DiskKVTier(offload.disk_dir, meta, codec.nbytes, offload.disk_bytes, kv_events)
