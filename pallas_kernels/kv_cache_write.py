@@ -82,18 +82,13 @@ def _round(x32, scale, fmt):
 
 def _least_error_scale(x32, base, fmt):
     """Of the scales base * FP8_SCALE_STEPS, each row's with the least squared rounding error
-    (the first on a tie). Errors are measured in units of base, so a huge row cannot overflow them."""
-    units = x32 / base[..., None]
-    best = best_err = None
-    for step in FP8_SCALE_STEPS:
-        scale = base * step
-        err = jnp.sum((_round(x32, scale, fmt).astype(jnp.float32) * step - units) ** 2, axis=-1)
-        if best is None:
-            best, best_err = scale, err
-        else:
-            better = err < best_err
-            best, best_err = jnp.where(better, scale, best), jnp.where(better, err, best_err)
-    return best
+    (the first on a tie), as kv_quant.per_token_scale_numpy. Errors are measured in units of
+    base, so a huge row cannot overflow them."""
+    steps = jnp.asarray(FP8_SCALE_STEPS)
+    candidates = base[..., None] * steps  # [..., steps]
+    rounded = _round(x32[..., None, :], candidates, fmt).astype(jnp.float32)  # [..., steps, head_dim]
+    errors = jnp.sum((rounded * steps[:, None] - (x32 / base[..., None])[..., None, :]) ** 2, axis=-1)
+    return jnp.take_along_axis(candidates, jnp.argmin(errors, axis=-1)[..., None], axis=-1)[..., 0]
 
 
 def dequantize_pages(pages, scale=None, fmt=None):
