@@ -46,7 +46,8 @@ def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int | Non
                    help="a quantized cache's key offsets (and per-tensor scales) from `paged-jax calibrate-kv`; "
                         "default: none (offsets zero, per-tensor scales 1.0)")
     m.add_argument("--block-size", type=int, default=16)
-    m.add_argument("--num-blocks", type=int, default=None, help="KV blocks incl. the null block (default: 90%% of a GPU's free memory; on the CPU room "
+    m.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks incl. the null block (default: 90%% of a GPU's free memory; on the CPU room "
                         "for --max-num-seqs full-length sequences, at most 4 GiB)")
     m.add_argument("--max-model-len", type=int, default=None)
     m.add_argument("--max-num-seqs", type=int, default=default_max_num_seqs,
@@ -396,25 +397,19 @@ def serve(args, console: Console) -> int:
 def _calibration_passages(args, tokenizer) -> list[list[int]]:
     """--num-passages token lists of --passage-tokens each: consecutive cuts of --text, or the
     last documentation topics long enough (pydoc_data.topics, sorted by name)."""
+    from paged_jax.kv_calibration import documentation_passages, text_passages
+
     n, length = args.num_passages, args.passage_tokens
     if n < 1 or length < 2:
         raise ValueError(f"--num-passages {n} and --passage-tokens {length} must be >= 1 and >= 2")
     if args.text:
         try:
             with open(args.text, encoding="utf-8") as f:
-                ids = tokenizer.encode(f.read())
+                passages = text_passages(tokenizer.encode(f.read()), n, length)
         except OSError as error:
             raise ValueError(f"--text {args.text}: {error.strerror or error}; give a readable text file") from error
-        passages = [ids[i : i + length] for i in range(0, len(ids) - length + 1, length)][:n]
     else:
-        from pydoc_data.topics import topics
-
-        passages = []
-        for name in sorted(topics, reverse=True):
-            if len(passages) == n:
-                break
-            if len(ids := tokenizer.encode(topics[name])) >= length:
-                passages.append(ids[:length])
+        passages = documentation_passages(tokenizer, length, reverse=True)[:n]
     if len(passages) < n:
         raise ValueError(f"the text holds {len(passages)} passages of {length} tokens, not --num-passages {n}; "
                          "give more text or lower them")

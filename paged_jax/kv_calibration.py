@@ -32,7 +32,7 @@ import numpy as np
 from flax import nnx
 
 from models.kv_cache_spec import FullAttentionSpec
-from paged_jax.attention import make_attention_backend
+from paged_jax.attention import bind_layer, make_attention_backend
 from paged_jax.core.kv_quant import MIN_SCALE, check_key_offsets, get_kv_quant_format, key_rotation
 from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs
 
@@ -60,8 +60,7 @@ def _prefill(graphdef, state, token_ids, layer_inputs, *, attention, block_size,
     x = model.embed(inputs.token_ids)
     new_caches = []
     for i, (layer, cache) in enumerate(zip(model.layers, caches)):
-        bound = attention.bind(**{name: a[i] for name, a in layer_inputs.items()}) if layer_inputs else attention
-        x, cache = layer(x, inputs.positions, cache, md, bound)
+        x, cache = layer(x, inputs.positions, cache, md, bind_layer(attention, layer_inputs, i))
         new_caches.append(cache)
     return model.compute_logits(x, inputs), new_caches
 
@@ -91,6 +90,21 @@ def paged_prefill(model, token_ids, spec, *, kv_scales=None, key_offsets=None,
                     num_blocks=num_blocks)
 
 
+def text_passages(token_ids, num: int, length: int) -> list[list[int]]:
+    """The first `num` consecutive cuts of `length` tokens of token_ids (fewer if it runs out)."""
+    return [list(token_ids[i : i + length]) for i in range(0, len(token_ids) - length + 1, length)][:num]
+
+
+def documentation_passages(tokenizer, length: int, *, reverse: bool = False) -> list[list[int]]:
+    """The first `length` tokens of each topic of Python's own documentation
+    (pydoc_data.topics, in every Python install) that has as many, in name order (reverse:
+    from the last): text to calibrate or evaluate on without a download."""
+    from pydoc_data.topics import topics
+
+    passages = (tokenizer.encode(topics[name]) for name in sorted(topics, reverse=reverse))
+    return [ids[:length] for ids in passages if len(ids) >= length]
+
+
 def _check_prompts(prompts, what: str) -> None:
     if not prompts or not all(len(p) for p in prompts):
         raise ValueError(f"{what} needs at least one non-empty prompt (token-id lists)")
@@ -105,10 +119,10 @@ def _float_spec(model) -> FullAttentionSpec:
     return spec
 
 
-def _written_keys_values(model, prompts):
+def _written_keys_values(model, spec, prompts):
     """Per prompt, per layer, (keys, values) f32[len(prompt), num_kv_heads, head_dim] as the
-    model computes them (an unquantized float32 paged cache: what a quantized pool is given)."""
-    spec = _float_spec(model)
+    model computes them (through `spec`, its unquantized float32 cache: what a quantized pool
+    is given)."""
     for prompt in prompts:
         _, caches = paged_prefill(model, prompt, spec)
         # page 0 is the null page; the prompt's tokens fill pages 1.. in order
@@ -124,9 +138,9 @@ def calibrate_key_offsets(model, prompts) -> np.ndarray:
       f32[num_layers, num_kv_heads, head_dim].
     """
     _check_prompts(prompts, "calibrate_key_offsets")
-    _float_spec(model)
+    spec = _float_spec(model)
     total, count = 0.0, 0
-    for layers in _written_keys_values(model, prompts):
+    for layers in _written_keys_values(model, spec, prompts):
         total = total + np.stack([keys.sum(axis=0, dtype=np.float64) for keys, _ in layers])
         count += len(layers[0][0])
     return (total / count).astype(np.float32)
@@ -152,7 +166,7 @@ def calibrate_kv_scales(model, prompts, kv_cache_dtype: str, key_offsets=None) -
     offsets = np.zeros(shape, np.float32) if key_offsets is None else check_key_offsets(key_offsets, shape)
     rotation = key_rotation(spec.head_dim).astype(np.float64)
     amax = np.zeros((len(model.layers), 2))
-    for layers in _written_keys_values(model, prompts):
+    for layers in _written_keys_values(model, spec, prompts):
         for i, (keys, values) in enumerate(layers):
             stored_keys = (keys - offsets[i]).astype(np.float64) @ rotation
             amax[i] = np.maximum(amax[i], [np.abs(stored_keys).max(), np.abs(values).max()])

@@ -46,7 +46,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from models.kv_cache_spec import QuantizedAttentionSpec, init_kv_caches, kv_cache_bytes_per_token
-from paged_jax.attention import make_attention_backend
+from paged_jax.attention import bind_layer, make_attention_backend
 from paged_jax.core.config import CacheConfig, SchedulerConfig
 from paged_jax.core.kv_quant import check_key_offsets, check_scale
 from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
@@ -376,9 +376,7 @@ class ModelRunner:
         graphdefs = graphdefs if graphdefs is not None else self._group_graphdefs[0]
         for i, (graphdef, params, kv_cache) in enumerate(zip(graphdefs, layer_params, kv_caches)):
             layer = nnx.merge(graphdef, params)
-            attention = (self.attention.bind(**{name: a[i] for name, a in layer_inputs.items()}) if layer_inputs
-                         else self.attention)
-            x, kv_cache = layer(x, positions, kv_cache, attn_metadata, attention)
+            x, kv_cache = layer(x, positions, kv_cache, attn_metadata, bind_layer(self.attention, layer_inputs, i))
             new_caches.append(kv_cache)
         return x, new_caches
 

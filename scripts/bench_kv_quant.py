@@ -51,14 +51,10 @@ FORMATS = ("fp8_e4m3", "fp8_e5m2", "int8")
 
 
 def eval_passages(tokenizer, num: int, num_tokens: int, skip: int = 0) -> list[list[int]]:
-    """The first num_tokens tokens of documentation topics long enough, in a fixed order."""
-    from pydoc_data.topics import topics
+    """The first num_tokens tokens of documentation topics long enough, in name order, after `skip`."""
+    from paged_jax.kv_calibration import documentation_passages
 
-    out = []
-    for name in sorted(topics):
-        ids = tokenizer.encode(topics[name])
-        if len(ids) >= num_tokens:
-            out.append(ids[:num_tokens])
+    out = documentation_passages(tokenizer, num_tokens)
     if len(out) < num + skip:
         raise SystemExit(f"only {len(out)} topics have {num_tokens} tokens; lower --tokens")
     return out[skip : skip + num]
@@ -163,7 +159,7 @@ class KeyStudyAttention:
 def key_study(args) -> dict:
     from models.registry import load_model, load_tokenizer
     from paged_jax.attention import make_attention_backend
-    from paged_jax.kv_calibration import calibrate_key_offsets
+    from paged_jax.kv_calibration import calibrate_key_offsets, text_passages
 
     model = load_model(MODEL, dtype="float32")
     tokenizer = load_tokenizer(MODEL)
@@ -189,7 +185,7 @@ def key_study(args) -> dict:
             ids = tokenizer.encode(f.read())
         if len(ids) < 4 * args.tokens:
             raise SystemExit(f"--calibration-text holds {len(ids)} tokens, fewer than 4 x --tokens")
-        other = calibrate_key_offsets(model, [ids[i : i + args.tokens] for i in range(0, 4 * args.tokens, args.tokens)])
+        other = calibrate_key_offsets(model, text_passages(ids, 4, args.tokens))
         variants.append(("the pool's fp8_e4m3 with kv_key_offsets", os.path.basename(args.calibration_text),
                          dict(spec=model.kv_cache_specs(None, "fp8_e4m3")[0], key_offsets=other)))
     rows, results, ref = [], [], None

@@ -7,7 +7,7 @@ pallas_kernels/, each with its reference.
 """
 
 from paged_jax.attention.backend import (ATTENTION_IMPLS, AttentionBackend, PallasAttention, XlaAttention,
-                                         default_attention_impl, make_attention_backend)
+                                         bind_layer, default_attention_impl, make_attention_backend)
 
-__all__ = ["ATTENTION_IMPLS", "AttentionBackend", "PallasAttention", "XlaAttention", "default_attention_impl",
-           "make_attention_backend"]
+__all__ = ["ATTENTION_IMPLS", "AttentionBackend", "PallasAttention", "XlaAttention", "bind_layer",
+           "default_attention_impl", "make_attention_backend"]

@@ -176,6 +176,12 @@ class QuantizedPallasAttention(_QuantizedAttentionBackend):
 AttentionBackend = XlaAttention | PallasAttention | QuantizedXlaAttention | QuantizedPallasAttention
 
 
+def bind_layer(attention, layer_inputs: dict, i: int):
+    """`attention` with layer i's static inputs bound (layer_inputs: backend keyword -> array
+    with a leading layer axis, as ModelRunner.layer_inputs); `attention` itself when there are none."""
+    return attention.bind(**{name: a[i] for name, a in layer_inputs.items()}) if layer_inputs else attention
+
+
 def make_attention_backend(spec, impl: str | None = None, *, interpret: bool = False,
                            pallas_config: PallasConfig | None = None) -> AttentionBackend:
     """The backend for a cache spec (the one place an implementation is chosen and checked).

@@ -152,8 +152,9 @@ def check_key_offsets(key_offsets, shape: tuple[int, ...] | None = None) -> np.n
         offsets = np.array(key_offsets, np.float32)
     except (TypeError, ValueError):
         offsets = np.full(1, np.nan, np.float32)
-    want = "[num_layers, num_kv_heads, head_dim]" if shape is None else f"{list(shape)} ([num_layers, " \
-        "num_kv_heads, head_dim])"
+    want = "[num_layers, num_kv_heads, head_dim]"
+    if shape is not None:
+        want = f"{list(shape)} ({want})"
     if offsets.ndim != 3 or (shape is not None and offsets.shape != tuple(shape)):
         raise ValueError(f"kv_key_offsets must be f32{want}, got shape {offsets.shape}; "
                          "paged_jax.kv_calibration.calibrate_key_offsets(model, prompts) computes them")
