@@ -95,20 +95,28 @@ class FakeQuantAttention:
         import jax.numpy as jnp
 
         from paged_jax.core.kv_quant import FORMATS as QUANT_FORMATS, key_rotation
-        from pallas_kernels.kv_cache_write import dequantize_pages, quantize_rows
 
         fmt = QUANT_FORMATS[self.kv_cache_dtype]
-
-        def fake(x):
-            stored, scale = quantize_rows(x, fmt)
-            return dequantize_pages(stored, scale).astype(x.dtype)
-
         if self.tensor == "k":
             rotation = jnp.asarray(key_rotation(k.shape[-1]), k.dtype)
-            k = fake(k @ rotation) @ rotation.T
+            k = fake_quantize(k @ rotation, fmt) @ rotation.T
         else:
-            v = fake(v)
+            v = fake_quantize(v, fmt)
         return self.base(q, k, v, kv_cache, attn_metadata, sm_scale=sm_scale)
+
+
+def fake_quantize(x, fmt, search: bool = True):
+    """x quantized to fmt per row and dequantized, in x's dtype: the value a page of the pool
+    stands for (search=False: the plain amax / max_value scale, without the fp8 scale search)."""
+    import jax.numpy as jnp
+
+    from paged_jax.core.kv_quant import MIN_SCALE
+    from pallas_kernels.kv_cache_write import dequantize_pages, quantize_rows
+
+    scale = None if search else jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1) / fmt.max_value,
+                                            MIN_SCALE)
+    stored, row_scale = quantize_rows(x, fmt, scale)
+    return dequantize_pages(stored, row_scale).astype(x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +125,7 @@ class KeyStudyAttention:
     per token, after the --key-study transforms (scale search, rotation, key mean)."""
 
     base: object
-    scale_candidates: int = 1
+    search_scale: bool = False
     rotate: bool = False
     key_mean: object = None  # this layer's f32[K, H], bound per layer (paged_prefill's key_offsets)
 
@@ -139,21 +147,8 @@ class KeyStudyAttention:
         if self.rotate:
             h = jnp.asarray(key_rotation(q.shape[-1]), q.dtype)
             q, k = q @ h, k @ h
-
-        def fake(x):
-            x32 = x.astype(jnp.float32)
-            base = jnp.maximum(jnp.max(jnp.abs(x32), axis=-1, keepdims=True) / fmt.max_value, 1e-12)
-            best = best_err = None
-            for j in range(self.scale_candidates):  # j = 0 is the pool's scale
-                scale = base * 2.0 ** (j / self.scale_candidates)
-                y = jnp.clip(x32 / scale, -fmt.max_value, fmt.max_value).astype(fmt.storage_dtype)
-                y = y.astype(jnp.float32) * scale
-                err = jnp.sum((y - x32) ** 2, axis=-1, keepdims=True)
-                best, best_err = (y, err) if best is None else (jnp.where(err < best_err, y, best),
-                                                                jnp.minimum(err, best_err))
-            return best.astype(x.dtype)
-
-        return self.base(q, fake(k), fake(v), kv_cache, attn_metadata, sm_scale=sm_scale)
+        k, v = fake_quantize(k, fmt, self.search_scale), fake_quantize(v, fmt, self.search_scale)
+        return self.base(q, k, v, kv_cache, attn_metadata, sm_scale=sm_scale)
 
 
 def key_study(args) -> dict:
@@ -170,12 +165,12 @@ def key_study(args) -> dict:
     variants = [
         ("unquantized", "-", dict()),
         ("none (amax / 448 per token)", "-", dict(attention=KeyStudyAttention(base))),
-        ("scale searched among 8", "-", dict(attention=KeyStudyAttention(base, 8))),
-        ("q, k rotated (Hadamard)", "-", dict(attention=KeyStudyAttention(base, 1, True))),
-        ("rotated, scale searched", "-", dict(attention=KeyStudyAttention(base, 8, True))),
+        ("scale searched among 8", "-", dict(attention=KeyStudyAttention(base, True))),
+        ("q, k rotated (Hadamard)", "-", dict(attention=KeyStudyAttention(base, False, True))),
+        ("rotated, scale searched", "-", dict(attention=KeyStudyAttention(base, True, True))),
         ("key mean subtracted", "4 passages", dict(attention=KeyStudyAttention(base), key_offsets=means)),
         ("key mean subtracted, rotated, scale searched", "4 passages",
-         dict(attention=KeyStudyAttention(base, 8, True), key_offsets=means)),
+         dict(attention=KeyStudyAttention(base, True, True), key_offsets=means)),
         ("the pool's fp8_e4m3 (searched, rotated)", "-", dict(spec=model.kv_cache_specs(None, "fp8_e4m3")[0])),
         ("the pool's fp8_e4m3 with kv_key_offsets", "4 passages",
          dict(spec=model.kv_cache_specs(None, "fp8_e4m3")[0], key_offsets=means)),
