@@ -205,7 +205,8 @@ class ShardedAttention:
     rest of the metadata are replicated. The donated caches stay in place per shard.
 
     Attributes:
-      inner: the per-device backend (XlaAttention or PallasAttention for the sharded spec).
+      inner: the per-device backend (make_attention_backend's for the sharded spec); `name`
+        and `spec` are its (the canonical implementation name, "xla" or "triton").
       mesh: the tp mesh.
       kv_head_replicas: copies of each KV head (tp // K when tp > K, else 1): k and v are
         repeated to the cache's head count before the write.

@@ -111,8 +111,9 @@ def test_backend_writes_the_latent_then_attends():
                            block_tables=jnp.asarray([[3, 1], [0, 0]], jnp.int32),
                            seq_lens=jnp.asarray([5, 0], jnp.int32), query_start_loc=jnp.asarray([0, 5, 5], jnp.int32),
                            num_seqs=jnp.asarray([1], jnp.int32))
-    for impl in ("xla", "pallas"):
-        attention = make_attention_backend(spec, impl, interpret=INTERPRET and impl == "pallas")
+    for impl in ("xla", "triton"):
+        attention = make_attention_backend(spec, impl, interpret=INTERPRET and impl == "triton")
+        assert attention.name == impl
         out, (c_cache, r_cache) = attention(q_nope, q_rope, c_kv, k_rope, cache, md, w_uk=w_uk, w_uv=w_uv,
                                             sm_scale=0.3)
         np.testing.assert_array_equal(np.asarray(c_cache[3]), np.asarray(c_kv[:4]))

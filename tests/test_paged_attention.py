@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from models.kv_cache_spec import FullAttentionSpec
-from paged_jax.attention import PallasAttention, XlaAttention, make_attention_backend
+from paged_jax.attention import TritonAttention, XlaAttention, make_attention_backend
 from paged_jax.attention.xla import ragged_paged_attention_xla
 from pallas_kernels.paged_attention import (
     PallasConfig,
@@ -267,11 +267,12 @@ def test_bad_input_raises_with_fix(args, impl, match):
 def test_backend_is_chosen_once_for_a_spec():
     spec = FullAttentionSpec(num_kv_heads=2, head_dim=64, dtype="float32")
     assert make_attention_backend(spec, "xla") == XlaAttention(spec)
-    pallas = make_attention_backend(spec, "pallas", interpret=True)
-    assert isinstance(pallas, PallasAttention) and pallas.interpret and hash(pallas) == hash(pallas)
+    triton = make_attention_backend(spec, "triton", interpret=True)
+    assert type(triton) is TritonAttention and triton.interpret and triton.name == "triton"
+    assert hash(triton) == hash(TritonAttention(spec, interpret=True))
     with pytest.raises(ValueError, match="attention_impl='cuda' must be one of"):
         make_attention_backend(spec, "cuda")
-    with pytest.raises(ValueError, match="interpret and pallas_config apply to attention_impl='pallas' only"):
+    with pytest.raises(ValueError, match="interpret and pallas_config apply to attention_impl='triton' only"):
         make_attention_backend(spec, "xla", interpret=True)
     with pytest.raises(ValueError, match="no attention backend for a str"):
         make_attention_backend("a latent cache", "xla")

@@ -1,12 +1,14 @@
-"""Attention backends: write this step's K/V into the pool, then attend through block tables.
+"""Attention backends of the GQA pools: write this step's K/V into the pool, then attend
+through block tables.
 
 A backend is a frozen, hashable object (so it is static under jit) built once by the runner
 for the model's cache spec. The model calls it once per layer:
 
     out, layer_cache = attention(q, k, v, layer_cache, attn_metadata, sm_scale=...)
 
-One backend per (cache spec, implementation) pair; a new cache format (quantized pages,
-an MLA latent) adds a spec in models/kv_cache_spec.py and its backends here.
+One class per (cache spec type, implementation) row of the table in registry.py
+(FullAttentionSpec and QuantizedAttentionSpec here, MLAAttentionSpec in mla.py); a new cache
+format adds a spec in models/kv_cache_spec.py and its registered classes.
 """
 
 from __future__ import annotations
@@ -17,18 +19,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.kv_cache_spec import FullAttentionSpec, MLAAttentionSpec, QuantizedAttentionSpec
-from paged_jax.core.kv_quant import key_rotation
+from models.kv_cache_spec import FullAttentionSpec, QuantizedAttentionSpec
+from paged_jax.attention.registry import KernelOptions, NoKernelOptions, register_backend
 from paged_jax.attention.xla import ragged_paged_attention_xla
+from paged_jax.core.kv_quant import key_rotation
 from pallas_kernels.kv_cache_write import write_kv_cache
 from pallas_kernels.paged_attention import PallasConfig, ragged_paged_attention
-
-ATTENTION_IMPLS = ("xla", "pallas")
-
-
-def default_attention_impl() -> str:
-    """"pallas" on GPUs (the Triton kernel), "xla" elsewhere (the gather path is the fast CPU one)."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,8 +56,9 @@ class _FullAttentionBackend:
         return out, (k_cache, v_cache)
 
 
+@register_backend(FullAttentionSpec, "xla")
 @dataclasses.dataclass(frozen=True)
-class XlaAttention(_FullAttentionBackend):
+class XlaAttention(NoKernelOptions, _FullAttentionBackend):
     """Gather-based attention (paged_jax/attention/xla.py)."""
 
     name = "xla"
@@ -70,14 +67,16 @@ class XlaAttention(_FullAttentionBackend):
         return ragged_paged_attention_xla(*args, sm_scale=sm_scale)
 
 
+@register_backend(FullAttentionSpec, "triton")
 @dataclasses.dataclass(frozen=True)
-class PallasAttention(_FullAttentionBackend):
-    """The Pallas/Triton kernel (pallas_kernels/paged_attention.py); interpret=True runs it on CPU."""
+class TritonAttention(KernelOptions, _FullAttentionBackend):
+    """The Pallas kernel (pallas_kernels/paged_attention.py) through JAX's Triton backend;
+    interpret=True runs it on CPU."""
 
     interpret: bool = False
     config: PallasConfig = PallasConfig()
 
-    name = "pallas"
+    name = "triton"
 
     def _attend(self, *args, sm_scale):
         return ragged_paged_attention(*args, sm_scale=sm_scale, interpret=self.interpret, config=self.config)
@@ -145,8 +144,9 @@ class _QuantizedAttentionBackend:
         return (out.astype(jnp.float32) * kv_scales[1]).astype(self.spec.dtype), kv_cache
 
 
+@register_backend(QuantizedAttentionSpec, "xla")
 @dataclasses.dataclass(frozen=True)
-class QuantizedXlaAttention(_QuantizedAttentionBackend):
+class QuantizedXlaAttention(NoKernelOptions, _QuantizedAttentionBackend):
     """Gather-based attention over quantized pages (paged_jax/attention/xla.py, per chunk)."""
 
     name = "xla"
@@ -157,14 +157,16 @@ class QuantizedXlaAttention(_QuantizedAttentionBackend):
                                           k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=self.spec.kv_cache_dtype)
 
 
+@register_backend(QuantizedAttentionSpec, "triton")
 @dataclasses.dataclass(frozen=True)
-class QuantizedPallasAttention(_QuantizedAttentionBackend):
-    """The Pallas/Triton kernel over quantized pages (per tile); interpret=True runs it on CPU."""
+class QuantizedTritonAttention(KernelOptions, _QuantizedAttentionBackend):
+    """The Pallas kernel over quantized pages (per tile), through the Triton backend;
+    interpret=True runs it on CPU."""
 
     interpret: bool = False
     config: PallasConfig = PallasConfig()
 
-    name = "pallas"
+    name = "triton"
 
     def _attend(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, sm_scale, **md):
         return ragged_paged_attention(q, k_cache, v_cache, md["block_tables"], md["seq_lens"],
@@ -173,48 +175,7 @@ class QuantizedPallasAttention(_QuantizedAttentionBackend):
                                       kv_cache_dtype=self.spec.kv_cache_dtype)
 
 
-AttentionBackend = XlaAttention | PallasAttention | QuantizedXlaAttention | QuantizedPallasAttention
-
-
 def bind_layer(attention, layer_inputs: dict, i: int):
     """`attention` with layer i's static inputs bound (layer_inputs: backend keyword -> array
     with a leading layer axis, as ModelRunner.layer_inputs); `attention` itself when there are none."""
     return attention.bind(**{name: a[i] for name, a in layer_inputs.items()}) if layer_inputs else attention
-
-
-def make_attention_backend(spec, impl: str | None = None, *, interpret: bool = False,
-                           pallas_config: PallasConfig | None = None) -> AttentionBackend:
-    """The backend for a cache spec (the one place an implementation is chosen and checked).
-
-    Args:
-      spec: the model's per-layer cache spec (models.kv_cache_spec).
-      impl: "xla", "pallas" or None (default_attention_impl()).
-      interpret: run the Pallas kernel in interpret mode (CPU tests of the kernel path).
-      pallas_config: launch parameters of the Pallas kernel.
-    """
-    impl = impl or default_attention_impl()
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention_impl={impl!r} must be one of {ATTENTION_IMPLS} (or None: pallas on GPU, "
-                         "xla elsewhere)")
-    if isinstance(spec, MLAAttentionSpec):
-        from paged_jax.attention.mla import MlaPallasAttention, MlaXlaAttention
-
-        if impl == "xla":
-            if interpret or pallas_config is not None:
-                raise ValueError("interpret and pallas_config apply to attention_impl='pallas' only")
-            return MlaXlaAttention(spec)
-        if pallas_config is not None:
-            raise ValueError("pallas_config is a GQA PallasConfig; the MLA kernel takes its own MlaPallasConfig")
-        return MlaPallasAttention(spec, interpret)
-    if isinstance(spec, FullAttentionSpec):
-        xla_backend, pallas_backend = XlaAttention, PallasAttention
-    elif isinstance(spec, QuantizedAttentionSpec):
-        xla_backend, pallas_backend = QuantizedXlaAttention, QuantizedPallasAttention
-    else:
-        raise ValueError(f"no attention backend for a {type(spec).__name__}; this build knows FullAttentionSpec, "
-                         "QuantizedAttentionSpec and MLAAttentionSpec")
-    if impl == "xla":
-        if interpret or pallas_config is not None:
-            raise ValueError("interpret and pallas_config apply to attention_impl='pallas' only")
-        return xla_backend(spec)
-    return pallas_backend(spec, interpret, pallas_config or PallasConfig())

@@ -8,7 +8,8 @@ The MLA model calls its backend once per layer with the pieces MLA attention nee
 The backend writes this step's latent and rope key into the pool, then attends over it
 (decodes and prefill chunks in one ragged call). Decodes attend in latent space (absorbed);
 on the XLA path prefill chunks decompress or not as PREFILL_FORM says (measured by
-scripts/bench_mla.py: absorbed); the Pallas kernel is absorbed throughout.
+scripts/bench_mla.py: absorbed); the Pallas kernel is absorbed throughout. The two classes
+are the MLAAttentionSpec rows of the table in registry.py.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 
 from models.kv_cache_spec import MLAAttentionSpec
 from paged_jax.attention.mla_xla import mla_paged_attention_xla
+from paged_jax.attention.registry import KernelOptions, NoKernelOptions, register_backend
 from pallas_kernels.mla_attention import MlaPallasConfig, mla_paged_attention
 
 # Prefill chunks on the XLA path: absorbed measured faster on CPU (scripts/bench_mla.py: a
@@ -78,8 +80,9 @@ class _MlaBackend:
         return out, (c_kv_cache, k_rope_cache)
 
 
+@register_backend(MLAAttentionSpec, "xla")
 @dataclasses.dataclass(frozen=True)
-class MlaXlaAttention(_MlaBackend):
+class MlaXlaAttention(NoKernelOptions, _MlaBackend):
     """Gather-based MLA (paged_jax/attention/mla_xla.py): absorbed decodes, PREFILL_FORM prefill chunks."""
 
     prefill_form: str = PREFILL_FORM
@@ -92,14 +95,16 @@ class MlaXlaAttention(_MlaBackend):
                                        prefill_form=self.prefill_form)
 
 
+@register_backend(MLAAttentionSpec, "triton")
 @dataclasses.dataclass(frozen=True)
-class MlaPallasAttention(_MlaBackend):
-    """The Pallas/Triton MLA kernel (pallas_kernels/mla_attention.py); interpret=True runs it on CPU."""
+class MlaTritonAttention(KernelOptions, _MlaBackend):
+    """The Pallas MLA kernel (pallas_kernels/mla_attention.py) through JAX's Triton backend;
+    interpret=True runs it on CPU. Its pallas_config is an MlaPallasConfig."""
 
     interpret: bool = False
     config: MlaPallasConfig = MlaPallasConfig()
 
-    name = "pallas"
+    name = "triton"
 
     def _attend(self, *args, sm_scale):
         return mla_paged_attention(*args, sm_scale=sm_scale, interpret=self.interpret, config=self.config)
