@@ -4,14 +4,26 @@ The host-side modules (block manager, scheduler, batch building) import no jax, 
 `import paged_jax.core.kv_cache_manager` stays light. The engine API is loaded lazily.
 """
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput"]
+__all__ = ["EngineConfig", "LLM", "LLMEngine", "SamplingParams", "RequestOutput"]
 
 
 def __getattr__(name):
-    if name in ("LLM", "LLMEngine", "RequestOutput"):
-        from paged_jax import engine
+    if name == "LLM":
+        from paged_jax.llm import LLM
 
-        return getattr(engine, name)
+        return LLM
+    if name == "LLMEngine":
+        from paged_jax.engine import LLMEngine
+
+        return LLMEngine
+    if name == "EngineConfig":
+        from paged_jax.engine_config import EngineConfig
+
+        return EngineConfig
+    if name == "RequestOutput":
+        from paged_jax.outputs import RequestOutput
+
+        return RequestOutput
     if name == "SamplingParams":
         from paged_jax.core.request import SamplingParams
 

@@ -369,7 +369,7 @@ def _cpu_list(cpus) -> str:
 
 
 def serve(args, console: Console) -> int:
-    from paged_jax.engine import EngineConfig
+    from paged_jax.engine_config import EngineConfig
     from paged_jax.server import make_server
 
     if args.data_parallel_size > 1 or args.coordinator_address:

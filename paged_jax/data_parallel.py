@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from paged_jax.core.request import Request, SamplingParams
+from paged_jax.engine import LLMEngine
 
 
 class DataParallelEngine:
@@ -43,8 +44,6 @@ class DataParallelEngine:
     """
 
     def __init__(self, config, *, warm_up_progress=None, devices=None):
-        from paged_jax.engine import LLMEngine  # engine.py builds this class from LLM
-
         dp, tp = config.data_parallel_size, config.tensor_parallel_size
         if jax.process_count() > 1:
             raise ValueError(f"data_parallel_size={dp} runs replicas in one process; across processes use "

@@ -156,7 +156,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="default: results/bench_compute[_quick].json")
     args = parser.parse_args(argv)
     args.out = args.out or f"results/bench_compute{'_quick' if args.quick else ''}.json"
-    from paged_jax.engine import EngineConfig, LLMEngine
+    from paged_jax.engine import LLMEngine
+    from paged_jax.engine_config import EngineConfig
 
     with bench_model_dir(args.model) as model_dir:
         t0 = time.perf_counter()

@@ -97,7 +97,8 @@ def engine_step(steps: int, warmup: int, seed: int) -> dict[str, list[float]]:
 
     from models.config import LlamaConfig
     from models.llama import LlamaForCausalLM
-    from paged_jax.engine import EngineConfig, LLMEngine
+    from paged_jax.engine import LLMEngine
+    from paged_jax.engine_config import EngineConfig
     from paged_jax.core.tokenizer import Tokenizer
 
     config = EngineConfig(model="tiny", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,

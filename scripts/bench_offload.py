@@ -57,7 +57,7 @@ VOCAB = BENCH_MODEL["vocab_size"]
 
 
 def engine_config(args, model_dir, name, disk_dir):
-    from paged_jax.engine import EngineConfig
+    from paged_jax.engine_config import EngineConfig
 
     offload = {
         "recompute": {},

@@ -36,7 +36,8 @@ QUESTION_LEN = 50
 
 def measure(args, model_dir: str, reps: int) -> int:
     """TTFT cold, warm and with caching off; prints the table and writes the JSON."""
-    from paged_jax.engine import EngineConfig, LLMEngine
+    from paged_jax.engine import LLMEngine
+    from paged_jax.engine_config import EngineConfig
     from paged_jax.core.request import SamplingParams
 
     engines, warm_up_s = {}, {}

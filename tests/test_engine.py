@@ -27,7 +27,8 @@ from engine_reference import (
     run_to_completion,
 )
 from paged_jax import SamplingParams
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.engine import LLMEngine
+from paged_jax.engine_config import EngineConfig
 
 LOGPROB_TOL = 1e-4
 

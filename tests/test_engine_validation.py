@@ -23,7 +23,8 @@ from engine_reference import (
 )
 from models.llama import LlamaConfig
 from paged_jax import SamplingParams
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.engine import LLMEngine
+from paged_jax.engine_config import EngineConfig
 
 GOOD = "good-0"  # the id of an in-flight request (the duplicate-id case reuses it)
 
@@ -118,7 +119,7 @@ def test_generate_with_one_bad_prompt_queues_nothing(good):
     (dict(max_model_len=0), r"max_model_len=0 must be >= 1"),
     (dict(num_blocks=1), r"num_blocks=1 must be >= 2: block 0 is the null block"),
     (dict(gpu_memory_utilization=1.5), r"gpu_memory_utilization=1.5 must be in \(0, 1\]"),
-    (dict(attention_impl="cuda"), r"attention_impl='cuda' must be None, 'xla' or 'pallas'"),
+    (dict(attention_impl="cuda"), r"attention_impl='cuda' must be one of \('xla', 'triton', 'pallas'\)"),
     (dict(dtype="float33"), r"dtype='float33' must be a float dtype"),
     (dict(dtype="int8"), r"dtype='int8' must be a float dtype"),
     (dict(warm_up="lazy"), r"warm_up='lazy' must be one of \('background', 'full', 'none'\)"),

@@ -487,7 +487,8 @@ def test_smollm2_greedy_chat_matches_transformers(smollm2, smollm2_hf):
     prefill) gives transformers' tokens exactly."""
     import torch
 
-    from paged_jax.engine import EngineConfig, LLMEngine
+    from paged_jax.engine import LLMEngine
+    from paged_jax.engine_config import EngineConfig
     from paged_jax.core.request import SamplingParams
 
     (model, tokenizer, info), (ref, _) = smollm2, smollm2_hf

@@ -84,7 +84,7 @@ def test_scale_must_be_positive_and_finite(bad):
 
 
 def test_engine_config_rejects_bad_quantization_arguments():
-    from paged_jax.engine import EngineConfig
+    from paged_jax.engine_config import EngineConfig
 
     with pytest.raises(ValueError, match="'fp8_e4m3', 'fp8_e5m2', 'int8'"):
         EngineConfig(kv_cache_dtype="float8")

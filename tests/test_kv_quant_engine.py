@@ -22,7 +22,8 @@ from engine_reference import (BLOCK_SIZE, ENGINE_CONFIGS, MAX_MODEL_LEN, assert_
 from models.layers import Attention
 from paged_jax.core.config import CacheConfig, SchedulerConfig
 from paged_jax.core.kv_quant import FORMATS, key_rotation
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.engine import LLMEngine
+from paged_jax.engine_config import EngineConfig
 from paged_jax.runner import ModelRunner
 from pallas_kernels.kv_cache_write import dequantize_pages, quantize_rows
 
@@ -241,7 +242,7 @@ def test_pages_hold_each_layers_centered_rotated_keys(workload):
     engine = LLMEngine(config, model=model, tokenizer=base.tokenizer)
     engine.add_request("r", prompt, greedy_params(4))
     engine.step()  # the whole prompt is prefilled in this step
-    block_ids = engine.kv_cache_manager.get_block_ids("r")
+    (block_ids,) = engine.kv_cache_manager.get_block_ids("r")
     fmt = FORMATS["fp8_e4m3"]
     rotation = key_rotation(dense[0][0].shape[-1]).astype(np.float64)
     n = len(prompt)

@@ -30,7 +30,8 @@ from engine_reference import (BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, big_llm
 from models.registry import build_preset, load_model
 from paged_jax.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from paged_jax.core.request import Request, SamplingParams
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.engine import LLMEngine
+from paged_jax.engine_config import EngineConfig
 
 SMALL_POOL = dict(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=12)
 BLOCK_BYTES = 8192  # one block of the tiny model's pages: 2 layers x (k, v) x 16 x 2 heads x 16 x f32

@@ -23,7 +23,8 @@ from hand_step_inputs import hand_step_inputs
 from models.kv_cache_spec import init_kv_caches
 from models.llama import LlamaConfig, LlamaForCausalLM
 from paged_jax import SamplingParams
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.engine import LLMEngine
+from paged_jax.engine_config import EngineConfig
 from paged_jax.core.config import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, CacheConfig, SchedulerConfig
 from paged_jax.runner import (CPU_KV_CACHE_BYTES, ModelRunner, num_blocks_for_budget, pack_step_inputs,
                               stop_background_work, unpack_step_inputs)

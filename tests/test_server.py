@@ -25,7 +25,8 @@ import pytest
 
 from engine_reference import MAX_MODEL_LEN, big_llm
 from paged_jax.core.request import SamplingParams
-from paged_jax.engine import EngineConfig, LLMEngine
+from paged_jax.engine import LLMEngine
+from paged_jax.engine_config import EngineConfig
 from paged_jax.server import make_server
 
 openai = pytest.importorskip("openai", reason="the server tests drive the official openai client")

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.config import LlamaConfig
 from models.kv_cache_spec import FullAttentionSpec
-from paged_jax.engine import EngineConfig
+from paged_jax.engine_config import EngineConfig
 from paged_jax.runner import num_blocks_for_budget
 from paged_jax.sharding import TP_AXIS, check_tensor_parallel, kv_head_replicas, make_mesh, param_partition_spec
 

@@ -35,7 +35,8 @@ class PagedJaxServer:
     def __init__(self, llm, *, host: str = "127.0.0.1", port: int = 8000, model_name: str = "tiny",
                  api_key: str | None = None, max_waiting_requests: int = 256, chat_template: str | None = None,
                  log_level: str = "warning", progress=None, reserved_cpus: int | None = None):
-        from paged_jax.engine import EngineConfig, chat_prompt
+        from paged_jax.chat import chat_prompt
+        from paged_jax.engine_config import EngineConfig
 
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 0")
