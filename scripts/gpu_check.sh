@@ -35,8 +35,9 @@ PY="${PYTHON:-}"
 if [[ -z "$PY" ]]; then
   if python3 -c "import jax" 2>/dev/null; then PY=python3; else PY=/work/venv/bin/python; fi
 fi
+# test_attention_registry.py: on a GPU the default implementation must come out "triton".
 TESTS=(tests/test_paged_attention.py tests/test_kv_cache_write.py tests/test_cuda_lowering.py tests/test_mla_attention.py
-       tests/test_kv_quant.py)
+       tests/test_kv_quant.py tests/test_attention_registry.py)
 
 if [[ $DRY_RUN == 1 ]]; then
   echo "== dry run: CPU, interpret mode, tiny shapes =="
