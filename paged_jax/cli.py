@@ -278,8 +278,7 @@ def generate(args, params, prompts: list[str], console: Console) -> int:
         elapsed = time.perf_counter() - start
     # The buckets this run did not need are left to the next one (their compilation would
     # only delay the exit); those compiled are in the persistent cache.
-    for engine in getattr(llm.engine, "replicas", [llm.engine]):  # data parallel: each replica's
-        engine.runner.stop_warm_up()
+    llm.shutdown()
     summary = _summary(outputs, llm.stats(), elapsed)
     if args.json:
         for o in outputs:

@@ -33,8 +33,8 @@ from paged_jax.engine import LLMEngine
 
 
 class DataParallelEngine:
-    """LLMEngine's interface (add_request, step, abort_request, has_unfinished_requests,
-    get_stats, chat_prompt, tokenizer) over config.data_parallel_size replicas.
+    """The EngineClient protocol (paged_jax/engine_client.py), as LLMEngine implements it,
+    over config.data_parallel_size replicas.
 
     Args:
       config: an EngineConfig; every replica gets it with data_parallel_size=1 and one
@@ -138,8 +138,29 @@ class DataParallelEngine:
                 self._release(out.request_id)
         return outputs
 
-    def chat_prompt(self, messages, **kwargs):
-        return self.replicas[0].chat_prompt(messages, **kwargs)
+    def chat_prompt(self, messages, *, add_generation_prompt: bool = True, chat_template: str | None = None,
+                    sampling_params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
+        return self.replicas[0].chat_prompt(messages, add_generation_prompt=add_generation_prompt,
+                                            chat_template=chat_template, sampling_params=sampling_params)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.replicas[0].eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self.replicas[0].max_model_len
+
+    def reset_prefix_cache(self) -> bool:
+        """Every replica's (see LLMEngine.reset_prefix_cache); True only if each one reset.
+        A replica with requests still holding blocks keeps its cache while the idle ones drop theirs."""
+        return all([engine.reset_prefix_cache() for engine in self.replicas])  # a list: no short circuit
+
+    def shutdown(self) -> None:
+        """Every replica's shutdown, then the step threads'. Idempotent."""
+        for engine in self.replicas:
+            engine.shutdown()
+        self._threads.shutdown(wait=True)
 
     def get_stats(self) -> dict:
         """Totals over the replicas (prefix hit rate over all their lookups), and each one's stats."""

@@ -31,7 +31,10 @@ from paged_jax.sharding import check_tensor_parallel, make_mesh, param_placer
 
 
 class LLMEngine:
-    """Continuous batching over a paged KV cache: add_request, step, abort_request."""
+    """Continuous batching over a paged KV cache: add_request, step, abort_request (the
+    EngineClient protocol, paged_jax/engine_client.py)."""
+
+    _shut_down = False  # set by shutdown(); no new requests afterwards
 
     def __init__(self, config: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *,
                  warm_up_progress=None, devices=None):
@@ -97,6 +100,8 @@ class LLMEngine:
                     *, cache_salt: str | None = None, arrival_time: float | None = None) -> None:
         """Queues one request. Raises ValueError (naming the fix) for bad input; other
         requests are unaffected."""
+        if self._shut_down:
+            raise RuntimeError(f"request {request_id!r}: this engine was shut down; build a new one")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id={request_id!r} must be a non-empty string")
         if sampling_params is not None and not isinstance(sampling_params, SamplingParams):
@@ -153,6 +158,25 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.cache_config.max_model_len
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block and empties the host tier (the disk tier keeps its files);
+        False, changing nothing, while a request still holds blocks or host entries."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Drops the buckets not compiled yet (waiting for the one compiling) and writes out
+        the disk tier's queued blocks, stopping its writer. Idempotent; get_stats still reads."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        self.runner.stop_warm_up()
+        if self.offload is not None and self.offload.disk is not None:
+            self.offload.disk.close()
 
     # one step
     def step(self) -> list[RequestOutput]:

@@ -16,6 +16,7 @@ from paged_jax.core.request import SamplingParams
 from paged_jax.core.tokenizer import Tokenizer
 from paged_jax.data_parallel import DataParallelEngine
 from paged_jax.engine import LLMEngine
+from paged_jax.engine_client import EngineClient
 from paged_jax.engine_config import EngineConfig
 from paged_jax.outputs import RequestOutput
 
@@ -37,7 +38,7 @@ class LLM:
     def __init__(self, model: str = "tiny", *, warm_up_progress=None, devices=None, **engine_args):
         config = EngineConfig(model=model, **engine_args)
         if config.data_parallel_size > 1:
-            self.engine = DataParallelEngine(config, warm_up_progress=warm_up_progress, devices=devices)
+            self.engine: EngineClient = DataParallelEngine(config, warm_up_progress=warm_up_progress, devices=devices)
         else:
             self.engine = LLMEngine(config, warm_up_progress=warm_up_progress, devices=devices)
         self._next_id = itertools.count()
@@ -118,6 +119,14 @@ class LLM:
     def stats(self) -> dict:
         """KV usage (now and peak), prefix hit rate, preemptions, compilations: see LLMEngine.get_stats."""
         return self.engine.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block (vLLM's LLM.reset_prefix_cache); False while requests hold blocks."""
+        return self.engine.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stops the engine's background work (bucket compilation, disk writes); idempotent."""
+        self.engine.shutdown()
 
     @property
     def tokenizer(self) -> Tokenizer:

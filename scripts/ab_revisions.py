@@ -37,9 +37,11 @@ llm = LLM(model=model_dir, dtype="float32", warm_up="full", block_size=16, max_m
           max_num_batched_tokens=1024, num_blocks=sum(-(-(len(p) + 128) // 16) for p in prompts) + 1,
           enable_prefix_caching=True, attention_impl="xla", **extra)
 params = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+# Revisions before LLM.reset_prefix_cache reach the block manager themselves.
+reset_prefix_cache = getattr(llm, "reset_prefix_cache", None) or llm.engine.kv_cache_manager.reset_prefix_cache
 print("ready", flush=True)
 for _ in sys.stdin:
-    llm.engine.kv_cache_manager.reset_prefix_cache()
+    reset_prefix_cache()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     print(64 * 128 / (time.perf_counter() - start), flush=True)

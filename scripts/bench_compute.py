@@ -80,7 +80,7 @@ def timed_steps(engine, prompts, max_tokens: int, keep) -> dict:
 
     scheduler.schedule, runner.execute = schedule, execute
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    assert engine.kv_cache_manager.reset_prefix_cache(), "requests still hold blocks"
+    assert engine.reset_prefix_cache(), "requests still hold blocks"
     for i, prompt in enumerate(prompts):
         engine.add_request(f"compute-{time.monotonic_ns()}-{i}", prompt, params)
     flops = step_s = jit_s = 0.0

@@ -139,7 +139,7 @@ def jax_worker(model_dir: str, engine_args: dict, quick: bool) -> None:
                     "attention_impl": engine.runner.attention_impl}
         if cmd["cmd"] == "compute":
             return measure_compute(engine, quick=quick)
-        assert engine.kv_cache_manager.reset_prefix_cache(), "requests still hold blocks between runs"
+        assert engine.reset_prefix_cache(), "requests still hold blocks between runs"
         before = engine.get_stats()
         params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in cmd["max_tokens"]]
         reset_peak_rss()

@@ -67,7 +67,7 @@ def assert_tiers_idle(engine):
     assert_no_leak(engine)
     engine.offload.check_invariants(idle=True)
     assert engine.offload.host.num_bytes <= engine.config.offload_host_bytes
-    assert engine.kv_cache_manager.reset_prefix_cache()
+    assert engine.reset_prefix_cache()
     pool = engine.kv_cache_manager.block_pool
     assert len(pool.cached_block_hash_to_block) == 0 and not any(b.block_hash for b in pool.blocks)
     assert len(engine.offload.host) == 0 and engine.offload.host.num_bytes == 0

@@ -337,6 +337,10 @@ def test_serve_runs_the_engine_in_its_own_process():
             assert server.poll() is None and time.time() < deadline, f"serve did not start:\n{server.stdout.read()}"
             time.sleep(0.5)
         (engine_pid,) = _engine_processes(server.pid)
+        # jax's native library is mapped in the engine process only: HTTP never imported jax.
+        for pid, loads_jax in ((server.pid, False), (engine_pid, True)):
+            with open(f"/proc/{pid}/maps") as f:
+                assert ("jaxlib" in f.read()) == loads_jax, f"process {pid}: jaxlib mapped is not {loads_jax}"
         # --reserved-cpus 1: on the CPU backend the engine process leaves the last core to HTTP.
         allowed = sorted(os.sched_getaffinity(server.pid))
         assert sorted(os.sched_getaffinity(engine_pid)) == allowed[:len(allowed) - reserved]

@@ -23,9 +23,10 @@ class PagedJaxServer:
     """A uvicorn server over an engine; run() blocks until stop() (or a signal in the main thread).
 
     Args:
-      llm: an LLM or LLMEngine (its loop runs on a thread here), or an EngineConfig (the
-        engine is built and run in a process of its own; construction returns once it is
-        ready, `progress(done, total)` following its bucket compilation).
+      llm: an LLM or an EngineClient (LLMEngine, DataParallelEngine: its loop runs on a thread
+        here, and the engine stays its owner's to shut down), or an EngineConfig (the engine is
+        built and run in a process of its own, this one importing no jax; construction returns
+        once it is ready, `progress(done, total)` following its bucket compilation).
       reserved_cpus: with an EngineConfig, the cores its process leaves to this one on the CPU
         backend (None: 1 on machines of 4 cores or more; server/engine_core.py says why).
     Attributes:
@@ -36,25 +37,24 @@ class PagedJaxServer:
                  api_key: str | None = None, max_waiting_requests: int = 256, chat_template: str | None = None,
                  log_level: str = "warning", progress=None, reserved_cpus: int | None = None):
         from paged_jax.chat import chat_prompt
+        from paged_jax.engine_client import EngineClient
         from paged_jax.engine_config import EngineConfig
 
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests={max_waiting_requests} must be >= 0")
         if isinstance(llm, EngineConfig):
-            from models.registry import load_tokenizer
             from paged_jax.server.engine_core import ProcessCore
 
-            tokenizer = load_tokenizer(llm.model)  # before the engine process: a bad path fails fast
+            # The engine process sends its tokenizer: this process loads no model code (no jax).
             core = ProcessCore(llm, progress=progress, reserved_cpus=reserved_cpus)
-            max_model_len, eos_token_ids = core.max_model_len, core.eos_token_ids
+            tokenizer, max_model_len, eos_token_ids = core.tokenizer, core.max_model_len, core.eos_token_ids
         else:
             if reserved_cpus is not None:
                 raise ValueError("reserved_cpus applies to an engine process of its own: pass an EngineConfig, "
                                  "not an LLM object (whose engine shares this process)")
-            engine = getattr(llm, "engine", llm)  # an LLM or an LLMEngine
+            engine = llm if isinstance(llm, EngineClient) else llm.engine  # an engine, or an LLM
             core = ThreadCore(engine)
-            tokenizer, max_model_len, eos_token_ids = engine.tokenizer, engine.cache_config.max_model_len, \
-                engine.eos_token_ids
+            tokenizer, max_model_len, eos_token_ids = engine.tokenizer, engine.max_model_len, engine.eos_token_ids
         self.metrics = ServerMetrics(model_name)
         self.metrics.reserved_cpus.set_function(lambda: getattr(core, "reserved", 0))
         self.engine = AsyncEngine(core, max_waiting_requests=max_waiting_requests, metrics=self.metrics)

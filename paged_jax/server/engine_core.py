@@ -1,6 +1,7 @@
 """ProcessCore: the engine loop in a process of its own, as vLLM V1's EngineCore.
 
-The server process keeps HTTP, chat templates, detokenization and the requests' streams;
+The server process keeps HTTP, chat templates, detokenization and the requests' streams, and
+imports no jax (tests/test_server_imports.py): it gets its tokenizer from the engine process;
 the engine process owns the model, the KV pool, the block manager and the scheduler, and
 runs the same EngineLoop (engine_loop.py) a ThreadCore runs in-process. In one process the
 engine's Python work (scheduling, batch building, dispatch) and the HTTP work take turns on
@@ -105,8 +106,8 @@ def _engine_main(config, commands, messages, reserved_cpus) -> None:
     except BaseException as error:  # handed to the server, which raises it in its own process
         send(("failed", "ValueError" if isinstance(error, ValueError) else type(error).__name__, str(error)))
         return
-    send(("ready", {"max_model_len": engine.cache_config.max_model_len, "eos_token_ids": engine.eos_token_ids,
-                    "stats": engine.get_stats(), "cpus": cpus, "reserved": reserved}))
+    send(("ready", {"max_model_len": engine.max_model_len, "eos_token_ids": engine.eos_token_ids,
+                    "tokenizer": engine.tokenizer, "stats": engine.get_stats(), "cpus": cpus, "reserved": reserved}))
     loop = EngineLoop(engine, lambda report: send(("report", report)))
 
     def read_commands() -> None:
@@ -118,7 +119,7 @@ def _engine_main(config, commands, messages, reserved_cpus) -> None:
 
     threading.Thread(target=read_commands, name="paged-jax-commands", daemon=True).start()
     loop.run()
-    engine.runner.stop_warm_up()
+    engine.shutdown()
 
 
 class ProcessCore:
@@ -132,7 +133,7 @@ class ProcessCore:
         one on machines of 4 cores or more; the module's docstring says why).
     Raises ValueError for a bad configuration (what LLMEngine raised, in the engine process),
     EngineProcessError if the process failed otherwise or exited.
-    Attributes: max_model_len, eos_token_ids, stats (the engine's stats when it was ready; the
+    Attributes: tokenizer, max_model_len, eos_token_ids, stats (the engine's stats when it was ready; the
       AsyncEngine keeps the latest from each report), cpus (the cores the engine process may
       use), reserved (the cores it left to this process).
     """
@@ -170,6 +171,7 @@ class ProcessCore:
             else:
                 info = message[1]
                 break
+        self.tokenizer = info["tokenizer"]  # the engine's own, pickled (HF tokenizers pickle as JSON)
         self.max_model_len: int = info["max_model_len"]
         self.eos_token_ids: tuple[int, ...] = tuple(info["eos_token_ids"])
         self.stats: dict = info["stats"]
