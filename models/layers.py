@@ -1,7 +1,9 @@
-"""Llama building blocks in Flax NNX: RMSNorm, RoPE, GQA attention (paged and dense), SwiGLU MLP.
+"""Building blocks every family shares (Flax NNX): RMSNorm, rotate_half RoPE, SwiGLU MLP, the
+pre-norm residual block and the causal-LM stages the runner compiles.
 
-Weights are kept in einsum-friendly layouts (HF stores linear weights [out, in]; the loader
-transposes once at load time):
+A family's own attention and decoder layer live in its package (models/llama/model.py,
+models/deepseek_v2/model.py) and are built from these. Weights are kept in einsum-friendly
+layouts (HF stores linear weights [out, in]; a family's loader transposes once at load time):
 
 Einsum legend:
   B  batch                      T  query tokens
@@ -21,12 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.config import Llama3RopeScaling, LlamaConfig
+from models.config import Llama3RopeScaling
 
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
-def _normal(rngs: nnx.Rngs, shape, fan_in: int, dtype: str) -> nnx.Param:
+def normal_param(rngs: nnx.Rngs, shape, fan_in: int, dtype: str) -> nnx.Param:
+    """A random weight of variance 1/fan_in, stored in dtype."""
     # Variance 1/fan_in keeps activations O(1) through random models, so tests compare
     # logits that are far from zero rather than a sea of near-ties.
     w = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
@@ -84,74 +87,15 @@ def apply_rope(x, positions, inv_freq):
     return out.astype(x.dtype)
 
 
-class Attention(nnx.Module):
-    """Grouped-query attention: N query heads share K kv heads in groups of G = N / K."""
-
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-        c = config
-        d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        self.config = c
-        self.q_proj = _normal(rngs, (d, n, h), d, c.param_dtype)  # [D, N, H]
-        self.k_proj = _normal(rngs, (d, k, h), d, c.param_dtype)  # [D, K, H]
-        self.v_proj = _normal(rngs, (d, k, h), d, c.param_dtype)  # [D, K, H]
-        self.o_proj = _normal(rngs, (n, h, d), n * h, c.param_dtype)  # [N, H, D]
-
-    def _qkv(self, x, positions):
-        dt = self.config.dtype
-        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        q = jnp.einsum("...D,DNH->...NH", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("...D,DKH->...KH", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("...D,DKH->...KH", x, self.v_proj[...].astype(dt))
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-    def _out(self, attn):
-        # One [T, N*H] x [N*H, D] matmul. As a contraction over two axes, XLA on CPU laid the
-        # attention output out head-minor and so transposed the weight on every step
-        # (~0.35 ms a layer, 8% of a 32-sequence decode step in bench_throughput's model).
-        n, h, d = self.o_proj.shape
-        return attn.reshape(*attn.shape[:-2], n * h) @ self.o_proj[...].astype(self.config.dtype).reshape(n * h, d)
-
-    def __call__(self, x, positions, kv_cache, attn_metadata, attention):
-        """Paged attention over a ragged batch.
-
-        Args:
-          x: [T, D] hidden states of this step's tokens (all sequences concatenated).
-          positions: i32[T].
-          kv_cache: this layer's cache, laid out as its spec says (FullAttentionSpec:
-            (k_cache, v_cache), each [num_blocks, block_size, K, H]).
-          attn_metadata: a paged_jax.core.step_inputs.AttentionMetadata.
-          attention: the runner's backend (paged_jax.attention): writes k/v, then attends.
-        Returns:
-          ([T, D], kv_cache) with this step's keys and values written into the cache.
-        """
-        q, k, v = self._qkv(x, positions)  # [T, N, H], [T, K, H], [T, K, H]
-        attn, kv_cache = attention(q, k, v, kv_cache, attn_metadata, sm_scale=self.config.head_dim ** -0.5)
-        return self._out(attn.astype(self.config.dtype)), kv_cache
-
-    def dense(self, x, positions):
-        """Full causal attention without a cache: x [B, T, D], positions i32[B, T] -> [B, T, D]."""
-        c = self.config
-        q, k, v = self._qkv(x, positions)  # [B, T, N, H], [B, S, K, H], [B, S, K, H] (S = T)
-        b, t = q.shape[:2]
-        q = q.reshape(b, t, c.num_kv_heads, c.num_queries_per_kv, c.head_dim)  # [B, T, K, G, H]
-        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (c.head_dim ** -0.5)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(causal, scores, _MASK_VALUE)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        attn = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
-        return self._out(attn.reshape(b, t, c.num_heads, c.head_dim))
-
-
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)) (Llama's MLP; DeepSeek-V2's dense layers and shared experts)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, param_dtype: str, dtype: str, rngs: nnx.Rngs):
         d, f = hidden_size, intermediate_size
         self.dtype = dtype
-        self.gate_proj = _normal(rngs, (d, f), d, param_dtype)  # [D, F]
-        self.up_proj = _normal(rngs, (d, f), d, param_dtype)  # [D, F]
-        self.down_proj = _normal(rngs, (f, d), f, param_dtype)  # [F, D]
+        self.gate_proj = normal_param(rngs, (d, f), d, param_dtype)  # [D, F]
+        self.up_proj = normal_param(rngs, (d, f), d, param_dtype)  # [D, F]
+        self.down_proj = normal_param(rngs, (f, d), f, param_dtype)  # [F, D]
 
     def __call__(self, x):
         dt = self.dtype
@@ -175,18 +119,6 @@ class PreNormBlock(nnx.Module):
     def dense(self, x, positions):
         x = x + self.self_attn.dense(self.input_layernorm(x), positions)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DecoderLayer(PreNormBlock):
-    """Llama's block: GQA attention and a SwiGLU MLP."""
-
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-        c = config
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
-        self.self_attn = Attention(c, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps,
-                                                param_dtype=c.param_dtype, dtype=c.dtype)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs)
 
 
 class CausalLM(nnx.Module):

@@ -24,7 +24,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-__all__ = ["NAMED_MODELS", "NamedModel", "cache_dir", "resolve_named_model"]
+__all__ = ["NAMED_MODELS", "NamedModel", "cache_dir", "gguf_path", "resolve_named_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,3 +135,15 @@ def resolve_named_model(name: str) -> Path:
     if not cached.is_file():
         _fetch(model, cached)
     return cached
+
+
+def gguf_path(model: str) -> str | None:
+    """The GGUF file a model= argument names: a named model's (fetched once) or a .gguf path,
+    else None (an embedded preset or a HF directory). ValueError for a .gguf path that is not a file."""
+    if model in NAMED_MODELS:
+        return str(resolve_named_model(model))
+    if model.endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ValueError(f"model={model!r}: no such GGUF file; check the path")
+        return model
+    return None

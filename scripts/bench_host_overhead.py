@@ -95,8 +95,7 @@ def engine_step(steps: int, warmup: int, seed: int) -> dict[str, list[float]]:
     """engine.step() timings (microseconds) with the jitted call replaced by fake tokens."""
     from flax import nnx
 
-    from models.config import LlamaConfig
-    from models.llama import LlamaForCausalLM
+    from models.llama import LlamaConfig, LlamaForCausalLM
     from paged_jax.engine import LLMEngine
     from paged_jax.engine_config import EngineConfig
     from paged_jax.core.tokenizer import Tokenizer

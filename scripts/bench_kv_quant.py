@@ -293,8 +293,7 @@ def speed(args) -> dict:
     import jax
 
     from _bench_common import BENCH_MODEL
-    from models.config import LlamaConfig
-    from models.llama import LlamaForCausalLM
+    from models.llama import LlamaConfig, LlamaForCausalLM
     from paged_jax.core.config import CacheConfig, SchedulerConfig
     from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
     from paged_jax.runner import ModelRunner

@@ -120,7 +120,7 @@ def mla_vs_gqa8(prompts, outputs, args) -> tuple[dict, list[list]]:
     """Bytes per token per layer and sequences in a fixed budget: MLA vs GQA-8 at hidden 4096."""
     from flax import nnx
 
-    from models.config import PRESETS as LLAMA_PRESETS
+    from models.llama import PRESETS as LLAMA_PRESETS
     from models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM
     from models.kv_cache_spec import kv_cache_bytes_per_token
     from models.llama import LlamaForCausalLM
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
 
 def kv_dtype_rows(prompts, output_lens, args, common) -> dict:
     """The paged run at one KV byte budget for each kv_cache_dtype (see the module docstring)."""
-    from models.config import LlamaConfig
+    from models.llama import LlamaConfig
     from models.kv_cache_spec import kv_cache_bytes_per_token
 
     config = LlamaConfig.from_preset(args.kv_model, dtype="bfloat16")

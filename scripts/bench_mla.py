@@ -13,7 +13,7 @@ Three side-by-side measurements, each variant timed in turn within every repetit
 3. MoE: 64 experts, top-6, 2 shared (DeepSeek-V2-Lite's routing) at a quarter of its widths
    (hidden 1024, expert 704: the full widths are 2.2 GB of f32 weights) for 16 and 128
    tokens, dense (every expert, weights 0 where unchosen) vs grouped (jax.lax.ragged_dot):
-   the measurement behind models/deepseek_v2.py's MOE_IMPL.
+   the measurement behind models/deepseek_v2/model.py's MOE_IMPL.
 
     python scripts/bench_mla.py [--quick] [--reps 7]
 """
@@ -32,7 +32,7 @@ from flax import nnx
 
 from _bench_common import command_line, machine_info, median, print_table, write_json
 from models.deepseek_v2 import DeepseekV2ForCausalLM, MoE
-from models.deepseek_v2_config import PRESETS, DeepseekV2Config
+from models.deepseek_v2 import PRESETS, DeepseekV2Config
 from models.kv_cache_spec import init_kv_caches
 from paged_jax.attention.mla import MlaXlaAttention
 from paged_jax.attention.mla_xla import mla_paged_attention_xla

@@ -58,9 +58,7 @@ def make_checkpoint(name: str, path: str) -> None:
     import jax.numpy as jnp  # noqa: F401  (jax loads in this child only)
     from flax import nnx
 
-    from models.config import PRESETS
-    from models.llama import LlamaForCausalLM
-    from models.loader import save_hf_checkpoint
+    from models.llama import PRESETS, LlamaForCausalLM, save_hf_checkpoint
 
     shape = dict(SHAPES[name])
     dtype = shape.pop("dtype")
@@ -137,9 +135,8 @@ def measure_steps(reps: int, layers_per_program: int | None = None) -> dict:
     import numpy as np
     from flax import nnx
 
-    from models.config import PRESETS
     from models.kv_cache_spec import init_kv_caches
-    from models.llama import LlamaForCausalLM
+    from models.llama import PRESETS, LlamaForCausalLM
     from paged_jax.core.config import CacheConfig, SchedulerConfig
     from paged_jax.runner import ModelRunner
     from paged_jax.sampler import sample

@@ -26,8 +26,7 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.config import LlamaConfig  # noqa: E402
-from models.llama import LlamaForCausalLM  # noqa: E402
+from models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from paged_jax.engine import LLMEngine  # noqa: E402
 from paged_jax.engine_config import EngineConfig  # noqa: E402
 from paged_jax.core.request import SamplingParams  # noqa: E402

@@ -26,7 +26,7 @@ import numpy as np
 
 from _bench_common import bench_model_dir
 
-from models.loader import load_hf_checkpoint
+from models.llama import load_hf_checkpoint
 from paged_jax.attention import XlaAttention
 from paged_jax.core.config import CacheConfig, SchedulerConfig
 from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs

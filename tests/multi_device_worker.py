@@ -23,7 +23,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from models.loader import save_hf_checkpoint  # noqa: E402
+from models.llama import save_hf_checkpoint  # noqa: E402
 from paged_jax import LLM, SamplingParams  # noqa: E402
 from paged_jax.sharding import TP_AXIS  # noqa: E402
 

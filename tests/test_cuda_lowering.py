@@ -109,9 +109,8 @@ def test_sharded_layer_lowers_for_cuda(tp):
     from jax.sharding import AbstractMesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from models.config import LlamaConfig
     from models.kv_cache_spec import FullAttentionSpec
-    from models.layers import DecoderLayer
+    from models.llama import DecoderLayer, LlamaConfig
     from paged_jax.attention import make_attention_backend
     from paged_jax.core.step_inputs import AttentionMetadata
     from paged_jax.sharding import (TP_AXIS, ShardedAttention, cache_partition_specs, kv_head_replicas,

@@ -21,9 +21,7 @@ from flax import nnx
 torch = pytest.importorskip("torch", reason="HF parity needs torch (pip install -e '.[hf]', the CPU build)")
 transformers = pytest.importorskip("transformers", reason="HF parity needs transformers (pip install -e '.[hf]')")
 
-from models.deepseek_v2 import DeepseekV2ForCausalLM, MoE  # noqa: E402
-from models.deepseek_v2_config import DeepseekV2Config  # noqa: E402
-from models.deepseek_v2_loader import model_from_hf_tensors  # noqa: E402
+from models.deepseek_v2 import DeepseekV2Config, DeepseekV2ForCausalLM, MoE, model_from_hf_tensors  # noqa: E402
 from models.kv_cache_spec import MLAAttentionSpec  # noqa: E402
 from models.registry import load_model  # noqa: E402
 from test_hf_parity import assert_close_rel, hf_logits, paged_logits  # noqa: E402
@@ -135,7 +133,7 @@ def test_unservable_config_is_a_value_error_naming_the_field(tmp_path, field, va
 @pytest.mark.parametrize("field, value", [("kv_lora_rank", 0), ("qk_rope_head_dim", -2), ("v_head_dim", True),
                                           ("num_layers", 1.0)])
 def test_bad_size_names_the_field(field, value):
-    from models.deepseek_v2_config import PRESETS
+    from models.deepseek_v2 import PRESETS
 
     with pytest.raises(ValueError, match=f"{field}={value!r} must be a positive int"):
         dataclasses.replace(PRESETS["tiny-mla"], **{field: value})

@@ -25,10 +25,9 @@ gguf = pytest.importorskip("gguf", reason="GGUF loading needs the gguf package (
 from safetensors.numpy import save_file  # noqa: E402
 
 from models import named_models  # noqa: E402
-from models.config import Llama3RopeScaling, LlamaConfig  # noqa: E402
-from models.gguf import (gguf_tokenizer, load_gguf_checkpoint, read_gguf_config,  # noqa: E402
-                         read_gguf_tokenizer_info)
-from models.loader import load_hf_checkpoint  # noqa: E402
+from models.llama import (Llama3RopeScaling, LlamaConfig, load_gguf_checkpoint, load_hf_checkpoint,  # noqa: E402
+                          read_gguf_config)
+from models.tokenizer import gguf_tokenizer, read_gguf_tokenizer_info  # noqa: E402
 from models.named_models import NAMED_MODELS, resolve_named_model  # noqa: E402
 from paged_jax.core.chat_template import end_of_turn_token, render_chat_template  # noqa: E402
 from paged_jax.core.tokenizer import Tokenizer  # noqa: E402
@@ -248,7 +247,7 @@ def test_tiny_gguf_dtypes(tmp_path):
 def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
     """llama.cpp writes llama3 scaling as a rope_freqs tensor; the config recovers the scaling."""
     scaling = Llama3RopeScaling(8.0, 1.0, 4.0, 8192)
-    from models.gguf import _llama3_factors
+    from models.llama.gguf import _llama3_factors
 
     factors = _llama3_factors(scaling, TINY["rope_theta"], TINY["head_dim"])
     assert factors[0] == 1.0 and factors[-1] == 8.0, "tiny head_dim must exercise both ends of the band"

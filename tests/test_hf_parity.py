@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers", reason="HF parity needs trans
 
 from models.kv_cache_spec import init_kv_caches  # noqa: E402
 from paged_jax.attention import make_attention_backend  # noqa: E402
-from models.loader import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
+from models.llama import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from hand_step_inputs import hand_step_inputs  # noqa: E402
 
 pytestmark = pytest.mark.hf

@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from models.config import LlamaConfig
+from models.llama import LlamaConfig
 from models.kv_cache_spec import (FullAttentionSpec, QuantizedAttentionSpec, attention_spec, init_kv_caches,
                                   kv_cache_bytes_per_token)
 from paged_jax.attention import make_attention_backend

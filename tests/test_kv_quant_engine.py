@@ -19,7 +19,7 @@ from flax import nnx
 
 from engine_reference import (BLOCK_SIZE, ENGINE_CONFIGS, MAX_MODEL_LEN, assert_no_leak, big_llm, greedy_params,
                               make_prompts, run_to_completion)
-from models.layers import Attention
+from models.llama import Attention
 from paged_jax.core.config import CacheConfig, SchedulerConfig
 from paged_jax.core.kv_quant import FORMATS, key_rotation
 from paged_jax.engine import LLMEngine

@@ -14,8 +14,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.flax import save_file
 
-from models.llama import LlamaConfig, LlamaForCausalLM
-from models.loader import load_hf_checkpoint, save_hf_checkpoint
+from models.llama import LlamaConfig, LlamaForCausalLM, load_hf_checkpoint, save_hf_checkpoint
 
 # meta-llama/Llama-3.2-1B's config.json as published (transformers 4.x keys).
 LLAMA_3_2_1B_V4 = {

@@ -16,7 +16,7 @@ import sys
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from models.config import LlamaConfig
+from models.llama import LlamaConfig
 from models.kv_cache_spec import FullAttentionSpec
 from paged_jax.engine_config import EngineConfig
 from paged_jax.runner import num_blocks_for_budget

@@ -1,7 +1,7 @@
 """HF DeepSeek-V2 checkpoint directory (config.json + safetensors) -> DeepseekV2ForCausalLM.
 
-Tensors are read one at a time with safetensors (framework="flax", so bf16 reads), into a
-skeleton built with nnx.eval_shape. HF stores linear weights [out, in]; this model keeps
+Tensors are read one at a time by models/hf_checkpoint.py (framework="flax", so bf16 reads),
+into a skeleton built with nnx.eval_shape. HF stores linear weights [out, in]; this model keeps
 einsum layouts, so each parameter names its HF tensor(s) and the one transform between.
 Routed experts come per expert (`mlp.experts.{e}.gate_proj.weight`, what save_pretrained and
 the published checkpoints write) or fused (`mlp.experts.gate_up_proj`, transformers' in-memory
@@ -16,21 +16,18 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from models.deepseek_v2 import DeepseekV2ForCausalLM
-from models.deepseek_v2_config import DeepseekV2Config
-from models.loader import _tensor_files, hf_tensor_reader, read_hf_config
+from models.deepseek_v2.config import DeepseekV2Config
+from models.deepseek_v2.model import DeepseekV2ForCausalLM
+from models.hf_checkpoint import hf_tensor_reader, read_hf_config, set_param, tensor_files
+
+__all__ = ["load_hf_checkpoint", "model_from_hf_tensors"]
 
 
 def _set(param, value, name: str) -> None:
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"tensor {name} gives shape {tuple(value.shape)}, expected {tuple(param.shape)} for this "
                          "config (check config.json against the checkpoint)")
-    value = jnp.asarray(value).astype(param.dtype)
-    # A Variable from eval_shape holds a ShapeDtypeStruct, so it is replaced whole.
-    if hasattr(param, "set_value"):
-        param.set_value(value)
-    else:
-        param.value = value
+    set_param(param, jnp.asarray(value).astype(param.dtype))
 
 
 def model_from_hf_tensors(config: DeepseekV2Config, get_tensor: Callable[[str], Any]) -> DeepseekV2ForCausalLM:
@@ -115,5 +112,5 @@ def load_hf_checkpoint(path: str, dtype=None, param_dtype=None) -> DeepseekV2For
       ValueError naming the config field this model cannot serve, or a missing / misshapen tensor.
     """
     config = DeepseekV2Config.from_hf_config(read_hf_config(path), dtype=dtype, param_dtype=param_dtype)
-    with hf_tensor_reader(_tensor_files(path)) as get_tensor:
+    with hf_tensor_reader(tensor_files(path)) as get_tensor:
         return model_from_hf_tensors(config, get_tensor)

@@ -29,27 +29,20 @@ H P + R, L kv_lora_rank, Q q_lora_rank, V v_head_dim, E experts, F MLP hidden, S
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.deepseek_v2_config import PRESETS, DeepseekV2Config, YarnRopeScaling
+from models.deepseek_v2.config import DeepseekV2Config
 from models.kv_cache_spec import MLAAttentionSpec
-from models.layers import MLP, CausalLM, PreNormBlock, RMSNorm
+from models.layers import MASK_VALUE, MLP, CausalLM, PreNormBlock, RMSNorm, normal_param
 
-__all__ = ["PRESETS", "DeepseekV2Config", "DeepseekV2ForCausalLM", "YarnRopeScaling"]
+__all__ = ["MOE_IMPL", "DecoderLayer", "DeepseekV2ForCausalLM", "MLAttention", "MoE", "route"]
 
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
 MOE_IMPL = "dense"  # "dense" (every expert, every token) or "grouped" (ragged_dot over tokens sorted by expert)
-
-
-def _normal(rngs: nnx.Rngs, shape, fan_in: int, dtype: str) -> nnx.Param:
-    w = jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in)
-    return nnx.Param(w.astype(dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -85,16 +78,16 @@ class MLAttention(nnx.Module):
         d, n, h, pd = c.hidden_size, c.num_heads, c.qk_head_dim, c.param_dtype
         self.config = c
         if c.q_lora_rank is None:
-            self.q_proj = _normal(rngs, (d, n, h), d, pd)  # [D, N, H]
+            self.q_proj = normal_param(rngs, (d, n, h), d, pd)  # [D, N, H]
         else:
-            self.q_a_proj = _normal(rngs, (d, c.q_lora_rank), d, pd)  # [D, Q]
+            self.q_a_proj = normal_param(rngs, (d, c.q_lora_rank), d, pd)  # [D, Q]
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS, param_dtype=pd, dtype=c.dtype)
-            self.q_b_proj = _normal(rngs, (c.q_lora_rank, n, h), c.q_lora_rank, pd)  # [Q, N, H]
-        self.kv_a_proj_with_mqa = _normal(rngs, (d, c.kv_lora_rank + c.qk_rope_head_dim), d, pd)  # [D, L + R]
+            self.q_b_proj = normal_param(rngs, (c.q_lora_rank, n, h), c.q_lora_rank, pd)  # [Q, N, H]
+        self.kv_a_proj_with_mqa = normal_param(rngs, (d, c.kv_lora_rank + c.qk_rope_head_dim), d, pd)  # [D, L + R]
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS, param_dtype=pd, dtype=c.dtype)
-        self.kv_b_proj = _normal(rngs, (c.kv_lora_rank, n, c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank,
+        self.kv_b_proj = normal_param(rngs, (c.kv_lora_rank, n, c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank,
                                  pd)  # [L, N, P + V]
-        self.o_proj = _normal(rngs, (n, c.v_head_dim, d), n * c.v_head_dim, pd)  # [N, V, D]
+        self.o_proj = normal_param(rngs, (n, c.v_head_dim, d), n * c.v_head_dim, pd)  # [N, V, D]
 
     def _project(self, x, positions):
         """q_nope [..., T, N, P], q_rope [..., T, N, R], c_kv [..., T, L], k_rope [..., T, R] (rotated)."""
@@ -135,7 +128,7 @@ class MLAttention(nnx.Module):
         scores = (jnp.einsum("BTNP,BSNP->BNTS", q_nope, k_nope, preferred_element_type=jnp.float32)
                   + jnp.einsum("BTNR,BSR->BNTS", q_rope, k_rope, preferred_element_type=jnp.float32))
         t = x.shape[1]
-        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores * c.sm_scale, _MASK_VALUE)
+        scores = jnp.where(jnp.tril(jnp.ones((t, t), bool)), scores * c.sm_scale, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         return self._out(jnp.einsum("BNTS,BSNV->BTNV", probs, v))
 
@@ -167,9 +160,9 @@ class MoE(nnx.Module):
         self.gate = nnx.Param(jax.random.normal(rngs.params(), (d, e), jnp.float32))  # [D, E], float32 always
         # Gate and up are [D, E, F], so the dense path is one [T, D] x [D, E * F] matmul each
         # (a batched 'TD,EDF' einsum measured 2x slower on CPU); down is [E, F, D].
-        self.experts_gate = _normal(rngs, (d, e, f), d, pd)  # [D, E, F]
-        self.experts_up = _normal(rngs, (d, e, f), d, pd)  # [D, E, F]
-        self.experts_down = _normal(rngs, (e, f, d), f, pd)  # [E, F, D]
+        self.experts_gate = normal_param(rngs, (d, e, f), d, pd)  # [D, E, F]
+        self.experts_up = normal_param(rngs, (d, e, f), d, pd)  # [D, E, F]
+        self.experts_down = normal_param(rngs, (e, f, d), f, pd)  # [E, F, D]
         self.shared_experts = (MLP(d, f * c.n_shared_experts, param_dtype=pd, dtype=c.dtype, rngs=rngs)
                                if c.n_shared_experts else None)
 
@@ -234,7 +227,7 @@ class DeepseekV2ForCausalLM(CausalLM):
             jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), jnp.float32).astype(c.param_dtype))
         self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
-        self.lm_head = None if c.tie_word_embeddings else _normal(rngs, (c.vocab_size, c.hidden_size), c.hidden_size,
+        self.lm_head = None if c.tie_word_embeddings else normal_param(rngs, (c.vocab_size, c.hidden_size), c.hidden_size,
                                                                  c.param_dtype)  # [V, D]
 
     def kv_cache_specs(self, dtype=None, kv_cache_dtype: str = "auto",

@@ -1,15 +1,14 @@
 """HF Llama checkpoint directory (config.json + safetensors) <-> LlamaForCausalLM.
 
-Tensors are streamed one at a time with safetensors' safe_open(framework="flax"): numpy has
-no bfloat16, so framework="np" cannot read bf16 checkpoints. The model skeleton is built with
-nnx.eval_shape (no random init, no memory) and each parameter is filled as its tensor is read.
-HF stores linear weights [out, in]; this model keeps einsum layouts ([D, N, H], [D, F], ...),
-so every tensor goes through the one transform listed for it in `_hf_layout`.
+The directory is read with models/hf_checkpoint.py (one tensor at a time, into an
+nnx.eval_shape skeleton). HF stores linear weights [out, in]; this model keeps einsum layouts
+([D, N, H], [D, F], ...), so every tensor goes through the one transform listed for it in
+`_hf_layout`, the Llama HF tensor map. The GGUF loader (models/llama/gguf.py) hands its
+tensors to model_from_hf_tensors under the same HF names.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -18,14 +17,13 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
 from safetensors.flax import save_file
 
-from models.config import LlamaConfig
-from models.llama import LlamaForCausalLM
+from models.hf_checkpoint import SINGLE_FILE, hf_tensor_reader, read_hf_config, set_param, tensor_files
+from models.llama.config import LlamaConfig
+from models.llama.model import LlamaForCausalLM
 
-_SINGLE_FILE = "model.safetensors"
-_INDEX_FILE = "model.safetensors.index.json"
+__all__ = ["load_hf_checkpoint", "model_from_hf_tensors", "save_hf_checkpoint"]
 
 
 def _hf_layout(c: LlamaConfig) -> dict[str, tuple[tuple[int, ...], Callable, Callable, Callable]]:
@@ -69,41 +67,6 @@ def _hf_layout(c: LlamaConfig) -> dict[str, tuple[tuple[int, ...], Callable, Cal
     return layout
 
 
-def _tensor_files(path: str) -> dict[str, str]:
-    """Tensor name -> safetensors file holding it (single file or sharded index)."""
-    index = os.path.join(path, _INDEX_FILE)
-    if os.path.exists(index):
-        with open(index) as fh:
-            weight_map = json.load(fh).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no 'weight_map'; it is not a safetensors shard index")
-        return {name: os.path.join(path, shard) for name, shard in weight_map.items()}
-    single = os.path.join(path, _SINGLE_FILE)
-    if not os.path.exists(single):
-        raise ValueError(f"{path} has neither {_SINGLE_FILE} nor {_INDEX_FILE}; "
-                         "save the checkpoint with safe_serialization=True")
-    with safe_open(single, framework="flax") as fh:
-        return {name: single for name in fh.keys()}
-
-
-def read_hf_config(path: str) -> dict:
-    """config.json of a HF model directory; ValueError naming the directory when it has none."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.exists(config_path):
-        raise ValueError(f"{path} has no config.json; point load_hf_checkpoint at a HF model directory")
-    with open(config_path) as fh:
-        return json.load(fh)
-
-
-@contextlib.contextmanager
-def hf_tensor_reader(files: dict[str, str]):
-    """get_tensor(name) over the safetensors files of _tensor_files (tensor name -> file),
-    each file open for the with-block (tensors are read one at a time, never all at once)."""
-    with contextlib.ExitStack() as stack:
-        handles = {file: stack.enter_context(safe_open(file, framework="flax")) for file in set(files.values())}
-        yield lambda name: handles[files[name]].get_tensor(name)
-
-
 def load_hf_checkpoint(path: str, dtype=None, param_dtype=None, place=None) -> LlamaForCausalLM:
     """Load a HF Llama directory (config.json + model.safetensors or a shard index).
 
@@ -121,7 +84,7 @@ def load_hf_checkpoint(path: str, dtype=None, param_dtype=None, place=None) -> L
     config = LlamaConfig.from_hf_config(read_hf_config(path), dtype=dtype, param_dtype=param_dtype)
 
     layout = _hf_layout(config)
-    files = _tensor_files(path)
+    files = tensor_files(path)
     missing = sorted(set(layout) - set(files))
     if missing:
         raise ValueError(f"checkpoint {path} is missing tensor(s) {missing[:8]}"
@@ -163,12 +126,7 @@ def model_from_hf_tensors(config: LlamaConfig, get_tensor: Callable[[str], Any],
         else:
             value = place(name.rsplit(".", 2)[-2], np.asarray(from_hf(tensor)).astype(jnp.dtype(config.param_dtype)))
         assert value.shape == param.shape, f"layout transform of {name} gives {value.shape}"
-        # A fresh Variable from eval_shape holds a ShapeDtypeStruct, so it is replaced
-        # whole (set_value since flax 0.12; the .value setter before it).
-        if hasattr(param, "set_value"):
-            param.set_value(value)
-        else:
-            param.value = value
+        set_param(param, value)
     return model
 
 
@@ -180,6 +138,6 @@ def save_hf_checkpoint(model: LlamaForCausalLM, path: str) -> None:
     os.makedirs(path, exist_ok=True)
     tensors = {name: jnp.asarray(to_hf(param_of(model)[...]))
                for name, (_, param_of, _, to_hf) in _hf_layout(model.config).items()}
-    save_file(tensors, os.path.join(path, _SINGLE_FILE), metadata={"format": "pt"})
+    save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(model.config.to_hf_config(), fh, indent=2)

@@ -1,0 +1,18 @@
+"""The Llama family (LlamaForCausalLM: GQA attention, SwiGLU MLP, rotate_half RoPE).
+
+One place for everything Llama-specific; models/registry.py holds its row.
+- config.py: LlamaConfig (presets, HF config.json reader and writer);
+- model.py: the attention, decoder layer and model;
+- hf.py: the HF tensor map (`_hf_layout`) and the HF directory loader / saver;
+- gguf.py: the GGUF metadata -> LlamaConfig reader, the GGUF tensor-name map and the q/k
+  row un-permutation llama.cpp's converter calls for.
+"""
+
+from models.llama.config import PRESETS, Llama3RopeScaling, LlamaConfig
+from models.llama.gguf import GGUF_ARCHITECTURES, load_gguf_checkpoint, read_gguf_config
+from models.llama.hf import load_hf_checkpoint, model_from_hf_tensors, save_hf_checkpoint
+from models.llama.model import Attention, DecoderLayer, LlamaForCausalLM
+
+__all__ = ["GGUF_ARCHITECTURES", "PRESETS", "Attention", "DecoderLayer", "Llama3RopeScaling", "LlamaConfig",
+           "LlamaForCausalLM", "load_gguf_checkpoint", "load_hf_checkpoint", "model_from_hf_tensors", "read_gguf_config",
+           "save_hf_checkpoint"]

@@ -1,0 +1,132 @@
+"""Llama/GQA decoder on the paged KV cache (Flax NNX).
+
+Two forwards share one set of weights:
+- `model(inputs, kv_caches, attn_metadata, attention)`: the engine's step over a ragged,
+  padded batch (prefill chunks and decodes mixed). The caches are passed in and returned so
+  the jitted step can donate them and XLA updates them in place; the model holds no state
+  and never names an attention implementation (the runner's backend is an argument).
+- `model.dense_forward(token_ids)`: full causal attention over [B, S] with no cache, the
+  reference the paged path is tested against.
+
+What the cache holds is declared by `kv_cache_specs` (models/kv_cache_spec.py documents the
+layout).
+
+One (k_cache, v_cache) pair per layer, and no lax.scan over stacked caches: a donated
+buffer read inside a loop can get a full-size temporary copy (openxla/xla#45912). The
+runner compiles a program of a few layers and calls it per group instead (paged_jax/runner.py
+says why: a scan over stacked weights measured 30% slower steps on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.kv_cache_spec import FullAttentionSpec, KVCacheSpec, attention_spec
+from models.layers import MASK_VALUE, MLP, CausalLM, PreNormBlock, RMSNorm, apply_rope, normal_param, rope_inv_freq
+from models.llama.config import LlamaConfig
+
+__all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM"]
+
+class Attention(nnx.Module):
+    """Grouped-query attention: N query heads share K kv heads in groups of G = N / K."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        c = config
+        d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        self.config = c
+        self.q_proj = normal_param(rngs, (d, n, h), d, c.param_dtype)  # [D, N, H]
+        self.k_proj = normal_param(rngs, (d, k, h), d, c.param_dtype)  # [D, K, H]
+        self.v_proj = normal_param(rngs, (d, k, h), d, c.param_dtype)  # [D, K, H]
+        self.o_proj = normal_param(rngs, (n, h, d), n * h, c.param_dtype)  # [N, H, D]
+
+    def _qkv(self, x, positions):
+        dt = self.config.dtype
+        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
+        q = jnp.einsum("...D,DNH->...NH", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("...D,DKH->...KH", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("...D,DKH->...KH", x, self.v_proj[...].astype(dt))
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def _out(self, attn):
+        # One [T, N*H] x [N*H, D] matmul. As a contraction over two axes, XLA on CPU laid the
+        # attention output out head-minor and so transposed the weight on every step
+        # (~0.35 ms a layer, 8% of a 32-sequence decode step in bench_throughput's model).
+        n, h, d = self.o_proj.shape
+        return attn.reshape(*attn.shape[:-2], n * h) @ self.o_proj[...].astype(self.config.dtype).reshape(n * h, d)
+
+    def __call__(self, x, positions, kv_cache, attn_metadata, attention):
+        """Paged attention over a ragged batch.
+
+        Args:
+          x: [T, D] hidden states of this step's tokens (all sequences concatenated).
+          positions: i32[T].
+          kv_cache: this layer's cache, laid out as its spec says (FullAttentionSpec:
+            (k_cache, v_cache), each [num_blocks, block_size, K, H]).
+          attn_metadata: a paged_jax.core.step_inputs.AttentionMetadata.
+          attention: the runner's backend (paged_jax.attention): writes k/v, then attends.
+        Returns:
+          ([T, D], kv_cache) with this step's keys and values written into the cache.
+        """
+        q, k, v = self._qkv(x, positions)  # [T, N, H], [T, K, H], [T, K, H]
+        attn, kv_cache = attention(q, k, v, kv_cache, attn_metadata, sm_scale=self.config.head_dim ** -0.5)
+        return self._out(attn.astype(self.config.dtype)), kv_cache
+
+    def dense(self, x, positions):
+        """Full causal attention without a cache: x [B, T, D], positions i32[B, T] -> [B, T, D]."""
+        c = self.config
+        q, k, v = self._qkv(x, positions)  # [B, T, N, H], [B, S, K, H], [B, S, K, H] (S = T)
+        b, t = q.shape[:2]
+        q = q.reshape(b, t, c.num_kv_heads, c.num_queries_per_kv, c.head_dim)  # [B, T, K, G, H]
+        scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
+        scores = scores * (c.head_dim ** -0.5)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores = jnp.where(causal, scores, MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        attn = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
+        return self._out(attn.reshape(b, t, c.num_heads, c.head_dim))
+
+
+class DecoderLayer(PreNormBlock):
+    """Llama's block: GQA attention and a SwiGLU MLP."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
+        self.self_attn = Attention(c, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps,
+                                                param_dtype=c.param_dtype, dtype=c.dtype)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Embedding -> num_layers decoder layers -> final RMSNorm -> lm_head (or the tied embedding)."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.config = c
+        self.embed_tokens = nnx.Param(  # [V, D]
+            jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), jnp.float32).astype(c.param_dtype))
+        self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
+        # Kept [V, D] like the embedding (and HF), so tied and untied heads share one einsum.
+        self.lm_head = None if c.tie_word_embeddings else nnx.Param(
+            (jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), jnp.float32)
+             / math.sqrt(c.hidden_size)).astype(c.param_dtype))
+
+    def kv_cache_specs(self, dtype=None, kv_cache_dtype: str = "auto",
+                       kv_cache_scaling: str = "per_token") -> tuple[KVCacheSpec, ...]:
+        """One spec per layer: K and V per KV head (dtype defaults to the compute dtype).
+
+        kv_cache_dtype "auto" stores them in dtype; "fp8" / "fp8_e4m3" / "fp8_e5m2" / "int8"
+        in one byte per element, scaled per kv_cache_scaling (models/kv_cache_spec.py).
+        """
+        c = self.config
+        if kv_cache_dtype == "auto":
+            spec = FullAttentionSpec(c.num_kv_heads, c.head_dim, str(jnp.dtype(dtype or c.dtype)))
+        else:
+            spec = attention_spec(c.num_kv_heads, c.head_dim, c.dtype, kv_cache_dtype, kv_cache_scaling)
+        return (spec,) * c.num_layers
