@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from models.config import Llama3RopeScaling
 
@@ -126,8 +129,12 @@ class CausalLM(nnx.Module):
     runner compiles, their composition and the no-cache reference, shared by the families.
 
     A family's model sets config (dtype, num_layers), embed_tokens [V, D], layers (each a
-    PreNormBlock), norm and lm_head ([V, D] or None when tied), and its kv_cache_specs.
+    PreNormBlock), norm and lm_head ([V, D] or None when tied), its kv_cache_specs, and the
+    class attribute param_partition_rules (parameter name -> PartitionSpec over the "tp"
+    mesh axis; paged_jax/sharding.py places the weights by it, a name missing is replicated).
     """
+
+    param_partition_rules: ClassVar[Mapping[str, PartitionSpec]]
 
     def _embed(self, token_ids):
         return jnp.take(self.embed_tokens[...], token_ids, axis=0).astype(self.config.dtype)

@@ -13,7 +13,7 @@ config classes, presets, and its checkpoint loaders. Nothing else names a family
 
 The engine and runner only use the model's interface (docs/ARCHITECTURE.md "The model
 interface"): `config`, `kv_cache_specs(...)`, `embed`, `layers`, `compute_logits`,
-`__call__` and `dense_forward`. The tokenizer of the same names is
+`param_partition_rules`, `__call__` and `dense_forward`. The tokenizer of the same names is
 models.tokenizer.load_tokenizer (re-exported here), which imports no jax.
 """
 
@@ -41,12 +41,14 @@ class ModelFamily:
       name: the family's short name: its package under models/ and the HF `model_type` it
         serves when a config.json lists no architectures ("llama").
       architectures: HF config.json `architectures` entries it serves.
-      model_class: the NNX module, built as model_class(config, rngs=...).
+      model_class: the NNX module, built as model_class(config, rngs=...); its class attribute
+        param_partition_rules says how each weight splits over a tensor-parallel mesh.
       config_class: the frozen config; config_class.from_hf_config(hf dict, dtype=, param_dtype=)
         reads a config.json.
       presets: named configs (random-weight models for tests and benchmarks).
-      load_hf_checkpoint: (directory, dtype=None) -> model; with place=... (models/llama/hf.py)
-        each tensor goes to its devices as it is read (tensor parallelism passes it).
+      load_hf_checkpoint: (directory, dtype=None) -> model. A family with tensor-parallel rules
+        also takes place=: (parameter name, host array) -> device array, called per tensor as it
+        is read.
       gguf_architectures: GGUF `general.architecture` values it serves (() when it reads no GGUF).
       read_gguf_config: (path or gguf.GGUFReader, dtype=None) -> config_class; None without GGUF.
       load_gguf_checkpoint: (path, dtype=None, place=None) -> model; None without GGUF.
@@ -62,12 +64,11 @@ class ModelFamily:
     read_gguf_config: Callable | None = None
     load_gguf_checkpoint: Callable | None = None
 
-
-def _load_deepseek_v2(path: str, dtype: str | None = None, place=None):
-    if place is not None:  # tensor parallelism places weights as they load
-        raise ValueError("tensor_parallel_size > 1: DeepSeek-V2 (an MLA latent cache) has no tensor-parallel rules "
-                         "yet; use tensor_parallel_size=1")
-    return deepseek_v2.load_hf_checkpoint(path, dtype=dtype)
+    @property
+    def param_partition_rules(self) -> Mapping:
+        """Parameter name -> PartitionSpec over the "tp" axis (paged_jax/sharding.py); empty: no
+        tensor parallelism (every weight whole, and load_model refuses to place a checkpoint)."""
+        return self.model_class.param_partition_rules
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -75,7 +76,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 llama.load_hf_checkpoint, llama.GGUF_ARCHITECTURES, llama.read_gguf_config,
                 llama.load_gguf_checkpoint),
     ModelFamily("deepseek_v2", ("DeepseekV2ForCausalLM",), deepseek_v2.DeepseekV2ForCausalLM,
-                deepseek_v2.DeepseekV2Config, deepseek_v2.PRESETS, _load_deepseek_v2),
+                deepseek_v2.DeepseekV2Config, deepseek_v2.PRESETS, deepseek_v2.load_hf_checkpoint),
 )
 
 
@@ -108,6 +109,16 @@ def build_preset(name: str, *, dtype: str | None = None, seed: int = 0):
     raise ValueError(f"unknown preset {name!r}; choose one of {sorted(p for f in FAMILIES for p in f.presets)}")
 
 
+def _placement(family: ModelFamily, placer) -> dict:
+    """The loader's place= for this family's rules ({} when not placing)."""
+    if placer is None:
+        return {}
+    if not family.param_partition_rules:
+        raise ValueError(f"tensor_parallel_size > 1: {family.model_class.__name__} has no tensor-parallel rules yet "
+                         "(its PARAM_PARTITION_RULES are empty); use tensor_parallel_size=1")
+    return {"place": placer(family.param_partition_rules)}
+
+
 def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=None):
     """The model `model=` names (see the module docstring for the forms it takes).
 
@@ -116,18 +127,19 @@ def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=Non
         model ("smollm2-135m-instruct"), a .gguf file, or a HF model directory.
       dtype: compute dtype (None: the checkpoint's; tiny and GGUF: float32).
       seed: weights of embedded presets.
-      place: checkpoints only: (parameter name, host array) -> device array, called per tensor
-        as it is read (paged_jax.sharding.param_placer puts it on a mesh, split). Embedded
-        presets are drawn on the default device and placed by the runner.
+      place: checkpoints only: paged_jax.sharding.param_placer(mesh), a placer that the family's
+        rules turn into place(parameter name, host array) -> device array, called per tensor as
+        it is read. Embedded presets are drawn on the default device and placed by the runner.
     Raises:
-      ValueError naming what is wrong: unknown name, missing file, unsupported architecture.
+      ValueError naming what is wrong: unknown name, missing file, unsupported architecture,
+      or placing a family that has no tensor-parallel rules.
     """
     if model in EMBEDDED_MODELS:
         return build_preset(model, dtype=dtype, seed=seed)
     gguf = gguf_path(model)
     if gguf is not None:
         family = family_for_gguf_architecture(get_architecture(gguf))
-        return family.load_gguf_checkpoint(gguf, dtype=dtype, place=place)
+        return family.load_gguf_checkpoint(gguf, dtype=dtype, **_placement(family, place))
     config_path = os.path.join(model, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"model={model!r} is not an embedded model {EMBEDDED_MODELS}, a named model "
@@ -136,8 +148,7 @@ def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=Non
         hf_config = json.load(fh)
     family = family_for_architectures(hf_config.get("architectures") or [
         a for f in FAMILIES if f.name == hf_config.get("model_type") for a in f.architectures])
-    load = family.load_hf_checkpoint
-    return load(model, dtype=dtype) if place is None else load(model, dtype=dtype, place=place)
+    return family.load_hf_checkpoint(model, dtype=dtype, **_placement(family, place))
 
 
 __all__ = ["FAMILIES", "ModelFamily", "build_preset", "family_for_architectures", "family_for_gguf_architecture",

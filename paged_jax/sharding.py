@@ -6,7 +6,7 @@ mesh with the shardings below, XLA inserts the collectives, and the attention ba
 per shard inside a shard_map (ShardedAttention), so the Pallas kernel and the XLA gather
 path see only their device's heads and pages.
 
-Megatron layout (what each device holds, N query heads, K KV heads, F MLP dim, V vocab):
+Megatron layout (Llama's rules; what each device holds, N query heads, K KV heads, F MLP dim, V vocab):
 - q_proj [D, N, H] split on N; o_proj [N, H, D] split on N (its matmul ends in an all-reduce);
 - k_proj, v_proj [D, K, H] split on K, or replicated when tp > K (see below);
 - gate_proj, up_proj [D, F] split on F (column-parallel); down_proj [F, D] split on F
@@ -22,9 +22,11 @@ same): the cache then holds tp heads, one per device, and every device still hol
 the (replicated) cache; k_proj / v_proj stay whole on every device and their outputs are
 repeated before the cache write. get_stats() reports the replication.
 
-Rules are per parameter name (PARAM_PARTITION_RULES) and per cache spec type
-(CACHE_PARTITION_RULES, SHARDED_CACHE_SPECS): a new model family (MLA: its latent cache is
-replicated and its heads are split) adds its names and its spec here, nothing else changes.
+Weights split by their family's rules: the model's param_partition_rules (parameter name ->
+PartitionSpec), declared next to the family's layers (models/llama/model.py) and carried by its
+registry row; the functions below take the rules, so one family's names never split another's
+weights. Caches split per cache spec type (CACHE_PARTITION_RULES, SHARDED_CACHE_SPECS): a new
+cache spec adds its entries here.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -42,21 +45,6 @@ from jax.sharding import PartitionSpec as P
 from models.kv_cache_spec import FullAttentionSpec
 
 TP_AXIS = "tp"
-
-# Parameter name (the last key of its path in the model state) -> how it is split. A name
-# missing here is replicated, and so is a parameter whose split axis tp does not divide:
-# k_proj / v_proj when tp exceeds the KV heads (check_tensor_parallel allows only that).
-PARAM_PARTITION_RULES: dict[str, P] = {
-    "q_proj": P(None, TP_AXIS, None),  # [D, N, H]
-    "k_proj": P(None, TP_AXIS, None),  # [D, K, H]
-    "v_proj": P(None, TP_AXIS, None),  # [D, K, H]
-    "o_proj": P(TP_AXIS, None, None),  # [N, H, D]
-    "gate_proj": P(None, TP_AXIS),  # [D, F]
-    "up_proj": P(None, TP_AXIS),  # [D, F]
-    "down_proj": P(TP_AXIS, None),  # [F, D]
-    "embed_tokens": P(TP_AXIS, None),  # [V, D]
-    "lm_head": P(TP_AXIS, None),  # [V, D]
-}
 
 
 def _full_attention_sharded_spec(spec: FullAttentionSpec, tp: int) -> FullAttentionSpec:
@@ -127,14 +115,15 @@ def init_sharded_kv_caches(specs, num_blocks: int, block_size: int, mesh: Mesh) 
     return [allocate[spec]() for spec in specs]
 
 
-def param_partition_spec(name: str, shape: tuple[int, ...], tensor_parallel_size: int) -> P:
+def param_partition_spec(name: str, shape: tuple[int, ...], tensor_parallel_size: int, rules: Mapping[str, P]) -> P:
     """How the parameter called `name` (last key of its state path) is split; P() replicates.
 
+    rules: the model family's (model.param_partition_rules); a name missing there is replicated.
     A split axis that tensor_parallel_size does not divide is replicated instead: the K/V
     projections past the KV-head count, a vocabulary of 49152 at tp=5. Correctness never
     depends on it (the attention's shard_map slices whatever it gets); memory does.
     """
-    rule = PARAM_PARTITION_RULES.get(name, P())
+    rule = rules.get(name, P())
     assert len(rule) <= len(shape), f"rule {rule} of parameter {name} does not fit its shape {shape}"
     if any(axis == TP_AXIS and dim % tensor_parallel_size for axis, dim in zip(rule, shape)):
         return P()
@@ -146,29 +135,37 @@ def _name_of(path) -> str:
     return str(keys[-1]) if keys else ""
 
 
-def param_shardings(state, mesh):
+def param_shardings(state, mesh, rules: Mapping[str, P]):
     """NamedSharding of every parameter of a model state (arrays or ShapeDtypeStructs), by
-    name; `mesh` may be an AbstractMesh (lowering without the devices)."""
+    name under the family's rules; `mesh` may be an AbstractMesh (lowering without the devices)."""
     tp = mesh.shape[TP_AXIS]
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_partition_spec(_name_of(path), x.shape, tp)), state)
+        lambda path, x: NamedSharding(mesh, param_partition_spec(_name_of(path), x.shape, tp, rules)), state)
 
 
-def shard_params(state, mesh: Mesh):
-    """The model state (an nnx.State or any pytree of arrays) placed on the mesh by name."""
-    return jax.device_put(state, param_shardings(state, mesh))
+def shard_params(state, mesh: Mesh, rules: Mapping[str, P]):
+    """The model state (an nnx.State or any pytree of arrays) placed on the mesh by name under
+    the family's rules (model.param_partition_rules)."""
+    return jax.device_put(state, param_shardings(state, mesh, rules))
 
 
 def param_placer(mesh: Mesh):
-    """place(name, host array) -> the array on the mesh, split by name (models/loader.py calls
-    it per tensor as it reads a checkpoint, so no device ever holds the whole model)."""
+    """A placer for models.registry.load_model(place=...): placer(rules) -> place(name, host
+    array) -> the array on the mesh, split by name under those rules.
+
+    load_model binds the rules of the family it loads, and the family's loader calls place per
+    tensor as it reads a checkpoint, so no device ever holds the whole model.
+    """
     tp = mesh.shape[TP_AXIS]
 
-    def place(name: str, value: np.ndarray):
-        sharding = NamedSharding(mesh, param_partition_spec(name, value.shape, tp))
-        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+    def placer(rules: Mapping[str, P]):
+        def place(name: str, value: np.ndarray):
+            sharding = NamedSharding(mesh, param_partition_spec(name, value.shape, tp, rules))
+            return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
-    return place
+        return place
+
+    return placer
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

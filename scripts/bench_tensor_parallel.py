@@ -53,6 +53,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from _bench_common import command_line, machine_info, median, print_table, write_json  # noqa: E402
+from models.llama import LlamaForCausalLM  # noqa: E402
 from paged_jax import LLM, SamplingParams  # noqa: E402
 from paged_jax import sharding  # noqa: E402
 from paged_jax.data_parallel import DataParallelEngine  # noqa: E402
@@ -90,16 +91,15 @@ def measure_tp(tps, prompts, params, reps, vocab_split_off_at=None):
                                                                     _replicate_vocab=True)
     llms, tokens = {}, {}
     for name, cfg in configs.items():
-        saved = dict(sharding.PARAM_PARTITION_RULES)
+        saved = LlamaForCausalLM.param_partition_rules
         if cfg.pop("_replicate_vocab", False):
-            sharding.PARAM_PARTITION_RULES.update(embed_tokens=P(), lm_head=P())
+            LlamaForCausalLM.param_partition_rules = {**saved, "embed_tokens": P(), "lm_head": P()}
         try:
             start = time.perf_counter()
             llms[name] = LLM(ARGS.model if not ARGS.quick else "tiny", **ENGINE, **cfg)
             print(f"{name}: built in {time.perf_counter() - start:.1f} s", flush=True)
         finally:
-            sharding.PARAM_PARTITION_RULES.clear()
-            sharding.PARAM_PARTITION_RULES.update(saved)
+            LlamaForCausalLM.param_partition_rules = saved
         tokens[name] = [o.token_ids for o in llms[name].generate(prompts, params, use_tqdm=False)]
     times = {name: [] for name in configs}
     for _ in range(reps):

@@ -110,7 +110,7 @@ def test_sharded_layer_lowers_for_cuda(tp):
     from jax.sharding import PartitionSpec as P
 
     from models.kv_cache_spec import FullAttentionSpec
-    from models.llama import DecoderLayer, LlamaConfig
+    from models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
     from paged_jax.attention import make_attention_backend
     from paged_jax.core.step_inputs import AttentionMetadata
     from paged_jax.sharding import (TP_AXIS, ShardedAttention, cache_partition_specs, kv_head_replicas,
@@ -123,7 +123,7 @@ def test_sharded_layer_lowers_for_cuda(tp):
     spec = sharded_cache_spec(FullAttentionSpec(config.num_kv_heads, config.head_dim, "bfloat16"), tp)
     attention = ShardedAttention(make_attention_backend(spec, "pallas"), mesh, replicas)
     params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state,
-                          param_shardings(state, mesh))
+                          param_shardings(state, mesh, LlamaForCausalLM.param_partition_rules))
 
     def arg(shape, dtype, spec=P()):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))

@@ -16,7 +16,7 @@ import sys
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from models.llama import LlamaConfig
+from models.llama import LlamaConfig, LlamaForCausalLM
 from models.kv_cache_spec import FullAttentionSpec
 from paged_jax.engine_config import EngineConfig
 from paged_jax.runner import num_blocks_for_budget
@@ -137,14 +137,17 @@ def test_pool_is_sized_per_device():
 
 
 def test_param_rules_by_name():
-    assert param_partition_spec("q_proj", (64, 4, 16), 2) == P(None, TP_AXIS, None)
-    assert param_partition_spec("k_proj", (64, 2, 16), 2) == P(None, TP_AXIS, None)
-    assert param_partition_spec("k_proj", (64, 2, 16), 4) == P()
-    assert param_partition_spec("down_proj", (128, 64), 2) == P(TP_AXIS, None)
-    assert param_partition_spec("weight", (64,), 1) == P()  # norms: replicated
-    assert param_partition_spec("embed_tokens", (512, 64), 4) == P(TP_AXIS, None)
+    rules = LlamaForCausalLM.param_partition_rules
+    assert param_partition_spec("q_proj", (64, 4, 16), 2, rules) == P(None, TP_AXIS, None)
+    assert param_partition_spec("k_proj", (64, 2, 16), 2, rules) == P(None, TP_AXIS, None)
+    assert param_partition_spec("k_proj", (64, 2, 16), 4, rules) == P()
+    assert param_partition_spec("down_proj", (128, 64), 2, rules) == P(TP_AXIS, None)
+    assert param_partition_spec("weight", (64,), 1, rules) == P()  # norms: replicated
+    assert param_partition_spec("embed_tokens", (512, 64), 4, rules) == P(TP_AXIS, None)
     # A vocabulary tp does not divide stays whole.
-    assert param_partition_spec("lm_head", (510, 64), 4) == P()
+    assert param_partition_spec("lm_head", (510, 64), 4, rules) == P()
+    # The rules are the family's: the same name under another family's (empty) rules is whole.
+    assert param_partition_spec("q_proj", (64, 4, 16), 2, {}) == P()
 
 
 def test_parallel_sizes_need_the_devices():

@@ -29,18 +29,27 @@ H P + R, L kv_lora_rank, Q q_lora_rank, V v_head_dim, E experts, F MLP hidden, S
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from models.deepseek_v2.config import DeepseekV2Config
 from models.kv_cache_spec import MLAAttentionSpec
 from models.layers import MASK_VALUE, MLP, CausalLM, PreNormBlock, RMSNorm, normal_param
 
-__all__ = ["MOE_IMPL", "DecoderLayer", "DeepseekV2ForCausalLM", "MLAttention", "MoE", "route"]
+__all__ = ["MOE_IMPL", "PARAM_PARTITION_RULES", "DecoderLayer", "DeepseekV2ForCausalLM", "MLAttention", "MoE", "route"]
 
+# Tensor parallelism: none yet. The MLA latent pool has no sharded cache spec
+# (paged_jax/sharding.py SHARDED_CACHE_SPECS), so the runner refuses a mesh for this family and
+# models.registry.load_model refuses to place its checkpoints; every weight stays whole. When MLA
+# is sharded, its head-split weights (q_proj / q_b_proj, kv_b_proj, o_proj) and the experts are
+# named here, and only here: Llama's rules never apply to these parameters.
+PARAM_PARTITION_RULES: Mapping[str, P] = MappingProxyType({})
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers builds them with the default eps
 MOE_IMPL = "dense"  # "dense" (every expert, every token) or "grouped" (ragged_dot over tokens sorted by expert)
 
@@ -219,6 +228,8 @@ class DecoderLayer(PreNormBlock):
 
 class DeepseekV2ForCausalLM(CausalLM):
     """Embedding -> num_layers decoder layers -> final RMSNorm -> lm_head (or the tied embedding)."""
+
+    param_partition_rules = PARAM_PARTITION_RULES
 
     def __init__(self, config: DeepseekV2Config, *, rngs: nnx.Rngs):
         c = config

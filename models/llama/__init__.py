@@ -2,7 +2,8 @@
 
 One place for everything Llama-specific; models/registry.py holds its row.
 - config.py: LlamaConfig (presets, HF config.json reader and writer);
-- model.py: the attention, decoder layer and model;
+- model.py: the attention, decoder layer and model, and PARAM_PARTITION_RULES (how each
+  weight splits over a tensor-parallel mesh);
 - hf.py: the HF tensor map (`_hf_layout`) and the HF directory loader / saver;
 - gguf.py: the GGUF metadata -> LlamaConfig reader, the GGUF tensor-name map and the q/k
   row un-permutation llama.cpp's converter calls for.
@@ -11,8 +12,8 @@ One place for everything Llama-specific; models/registry.py holds its row.
 from models.llama.config import PRESETS, Llama3RopeScaling, LlamaConfig
 from models.llama.gguf import GGUF_ARCHITECTURES, load_gguf_checkpoint, read_gguf_config
 from models.llama.hf import load_hf_checkpoint, model_from_hf_tensors, save_hf_checkpoint
-from models.llama.model import Attention, DecoderLayer, LlamaForCausalLM
+from models.llama.model import PARAM_PARTITION_RULES, Attention, DecoderLayer, LlamaForCausalLM
 
-__all__ = ["GGUF_ARCHITECTURES", "PRESETS", "Attention", "DecoderLayer", "Llama3RopeScaling", "LlamaConfig",
-           "LlamaForCausalLM", "load_gguf_checkpoint", "load_hf_checkpoint", "model_from_hf_tensors", "read_gguf_config",
-           "save_hf_checkpoint"]
+__all__ = ["GGUF_ARCHITECTURES", "PARAM_PARTITION_RULES", "PRESETS", "Attention", "DecoderLayer", "Llama3RopeScaling",
+           "LlamaConfig", "LlamaForCausalLM", "load_gguf_checkpoint", "load_hf_checkpoint", "model_from_hf_tensors",
+           "read_gguf_config", "save_hf_checkpoint"]

@@ -107,9 +107,10 @@ def model_from_hf_tensors(config: LlamaConfig, get_tensor: Callable[[str], Any],
         "model.layers.0.self_attn.q_proj.weight" -> [num_heads * head_dim, hidden_size]. Called
         once per name, so it may read lazily.
       place: optional (parameter name, host array in the model's layout and param_dtype) ->
-        device array, e.g. paged_jax.sharding.param_placer(mesh): each tensor goes straight
-        to its devices, split, so no device ever holds the whole checkpoint. The name is the
-        model attribute ("q_proj", "embed_tokens", "lm_head", "norm"...).
+        device array, e.g. paged_jax.sharding.param_placer(mesh)(PARAM_PARTITION_RULES) (what
+        models.registry.load_model passes): each tensor goes straight to its devices, split,
+        so no device ever holds the whole checkpoint. The name is the model attribute
+        ("q_proj", "embed_tokens", "lm_head", "norm"...), the key of the family's rules.
     Returns:
       The model, weights cast to config.param_dtype.
     Raises:

@@ -9,7 +9,8 @@ Two forwards share one set of weights:
   reference the paged path is tested against.
 
 What the cache holds is declared by `kv_cache_specs` (models/kv_cache_spec.py documents the
-layout).
+layout), how the weights split over a tensor-parallel mesh by PARAM_PARTITION_RULES (the
+model's `param_partition_rules`).
 
 One (k_cache, v_cache) pair per layer, and no lax.scan over stacked caches: a donated
 buffer read inside a loop can get a full-size temporary copy (openxla/xla#45912). The
@@ -20,16 +21,37 @@ says why: a scan over stacked weights measured 30% slower steps on CPU).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from models.kv_cache_spec import FullAttentionSpec, KVCacheSpec, attention_spec
 from models.layers import MASK_VALUE, MLP, CausalLM, PreNormBlock, RMSNorm, apply_rope, normal_param, rope_inv_freq
 from models.llama.config import LlamaConfig
+from paged_jax.sharding import TP_AXIS
 
-__all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM"]
+__all__ = ["PARAM_PARTITION_RULES", "Attention", "DecoderLayer", "LlamaForCausalLM"]
+
+# Tensor parallelism (Megatron layout, paged_jax/sharding.py): parameter name (the last key of
+# its state path) -> how it splits over the "tp" mesh axis. A name missing here is replicated
+# (the norms), and so is a parameter whose split axis tp does not divide (k_proj / v_proj when
+# tp exceeds the KV heads: the KV heads are then replicated, paged_jax.sharding.kv_head_replicas).
+PARAM_PARTITION_RULES: Mapping[str, P] = MappingProxyType({
+    "q_proj": P(None, TP_AXIS, None),  # [D, N, H]: query heads
+    "k_proj": P(None, TP_AXIS, None),  # [D, K, H]: KV heads
+    "v_proj": P(None, TP_AXIS, None),  # [D, K, H]
+    "o_proj": P(TP_AXIS, None, None),  # [N, H, D]: row-parallel, its matmul ends in an all-reduce
+    "gate_proj": P(None, TP_AXIS),  # [D, F]: column-parallel
+    "up_proj": P(None, TP_AXIS),  # [D, F]
+    "down_proj": P(TP_AXIS, None),  # [F, D]: row-parallel
+    "embed_tokens": P(TP_AXIS, None),  # [V, D]: vocab-parallel
+    "lm_head": P(TP_AXIS, None),  # [V, D]
+})
+
 
 class Attention(nnx.Module):
     """Grouped-query attention: N query heads share K kv heads in groups of G = N / K."""
@@ -104,6 +126,8 @@ class DecoderLayer(PreNormBlock):
 
 class LlamaForCausalLM(CausalLM):
     """Embedding -> num_layers decoder layers -> final RMSNorm -> lm_head (or the tied embedding)."""
+
+    param_partition_rules = PARAM_PARTITION_RULES
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         c = config
