@@ -56,9 +56,10 @@ def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int | Non
     m.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     m.add_argument("--attention-impl", choices=("xla", "pallas"), default=None,
                    help="default: pallas on GPU, xla elsewhere")
-    m.add_argument("--compile-cache-dir", default=default_compile_cache_dir(),
+    m.add_argument("--compile-cache-dir", default="auto",
                    help="jax's persistent compilation cache, so a second run skips compiling the buckets "
-                        "(default: %(default)s; $PAGED_JAX_COMPILE_CACHE_DIR moves it)")
+                        f"(default: auto, the one $JAX_COMPILATION_CACHE_DIR names, else {default_compile_cache_dir()}; "
+                        "$PAGED_JAX_COMPILE_CACHE_DIR moves that)")
     m.add_argument("--no-compile-cache", action="store_true", help="compile every bucket afresh")
     m.add_argument("--warm-up", choices=WARM_UP_MODES, default=default_warm_up,
                    help="background: start after the smallest bucket, compile the rest while generating; "

@@ -1,11 +1,16 @@
 """jax's persistent compilation cache, turned on by the engine (EngineConfig.compile_cache_dir).
 
 A second process that asks for the same buckets of the same model loads their executables
-from disk instead of compiling them (SmolLM2-135M: ~3 s a bucket cold; see
-scripts/bench_startup.py for warm). The setting is process-wide in jax: the first engine that
-names a directory sets it, and an engine naming another one later gets a ValueError rather
-than silently sharing the first one's. None leaves jax's own setting alone (off unless the
-user turned it on, e.g. with JAX_COMPILATION_CACHE_DIR). Imports jax only when enabling.
+from disk instead of compiling them (scripts/bench_startup.py measures cold and warm).
+EngineConfig.compile_cache_dir is one of:
+- "auto" (the default): a cache the user already configured (JAX_COMPILATION_CACHE_DIR, or
+  jax.config's jax_compilation_cache_dir) is used as they configured it; else the engine
+  turns one on in default_compile_cache_dir();
+- a directory: that one, explicitly. The setting is process-wide in jax, so a directory
+  that differs from the one this process already caches in is a ValueError rather than
+  silently sharing the other;
+- None: jax's own setting is left alone (off unless the user turned it on).
+Imports jax only when enabling.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ WARM_UP_MODES = ("background", "full", "none")
 # Overrides the default directory (a shared or faster disk, a CI cache), without code.
 COMPILE_CACHE_ENV = "PAGED_JAX_COMPILE_CACHE_DIR"
 
+# EngineConfig.compile_cache_dir's default: defer to the user's cache, else ours (docstring).
+# A directory really named "auto" is given as "./auto".
+AUTO_COMPILE_CACHE = "auto"
+
 
 def default_compile_cache_dir() -> str:
     """$PAGED_JAX_COMPILE_CACHE_DIR, else $XDG_CACHE_HOME/paged-jax/xla (~/.cache/paged-jax/xla)."""
@@ -31,8 +40,8 @@ def default_compile_cache_dir() -> str:
 
 
 def check_compile_cache_dir(path) -> None:
-    """ValueError naming the fix unless path is None or a usable directory name."""
-    if path is None:
+    """ValueError naming the fix unless path is None, "auto" or a usable directory name."""
+    if path is None or path == AUTO_COMPILE_CACHE:
         return
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"compile_cache_dir={path!r} must be a directory path, or None to leave jax's "
@@ -42,19 +51,26 @@ def check_compile_cache_dir(path) -> None:
                          "if missing), or None to turn the cache off")
 
 
-def enable_compile_cache(path) -> None:
-    """Points jax's persistent compilation cache at `path` (None: leave jax's setting alone)."""
+def enable_compile_cache(path) -> str | None:
+    """Points jax's persistent compilation cache at `path` (see the module docstring for
+    "auto" and None). Returns the directory compilations are cached in (None: off)."""
     if path is None:
-        return
+        return None
     import jax
 
-    path = os.path.abspath(os.fspath(path))
     current = jax.config.jax_compilation_cache_dir
+    if path == AUTO_COMPILE_CACHE:
+        if current:
+            return current  # the user's (or an earlier engine's) cache, with its thresholds
+        path = default_compile_cache_dir()
+    path = os.path.abspath(os.fspath(path))
     if current and os.path.abspath(current) != path:
         raise ValueError(f"compile_cache_dir={path!r}, but this process already caches compilations in "
-                         f"{current!r} (jax's setting is process-wide); pass that directory or None")
+                         f"{current!r} (jax's setting is process-wide); pass that directory, 'auto' (the default: use "
+                         "it) or None")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     # Every bucket, even a tiny model's sub-second one, is worth keeping.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path

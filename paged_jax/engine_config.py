@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from paged_jax.compile_cache import WARM_UP_MODES, check_compile_cache_dir, default_compile_cache_dir
+from paged_jax.compile_cache import AUTO_COMPILE_CACHE, WARM_UP_MODES, check_compile_cache_dir
 from paged_jax.core.config import CacheConfig, SchedulerConfig, check_int, check_power_of_two
 from paged_jax.core.hashing import get_hash_fn_by_name
 from paged_jax.core.kv_quant import check_key_offsets, check_kv_cache_scaling, check_scale, get_kv_quant_format
@@ -57,8 +57,9 @@ class EngineConfig:
     # compiles them all into one program (several times the compile time per bucket).
     layers_per_program: int | None = None
     warm_up: str | bool = "background"  # one of WARM_UP_MODES (True: "full", False: "none")
-    # jax's persistent compilation cache (paged_jax/compile_cache.py); None leaves it off.
-    compile_cache_dir: str | None = dataclasses.field(default_factory=default_compile_cache_dir)
+    # jax's persistent compilation cache (paged_jax/compile_cache.py): "auto" uses the one the user
+    # configured (JAX_COMPILATION_CACHE_DIR), else ~/.cache/paged-jax/xla; a directory; None: off.
+    compile_cache_dir: str | None = AUTO_COMPILE_CACHE
     # KV-cache quantization (paged_jax/core/kv_quant.py): "auto" keeps dtype; "fp8" (= fp8_e4m3),
     # "fp8_e5m2", "int8" store one byte per element, with per-token scales beside the pages, or
     # with kv_cache_scaling="per_tensor" one static (k_scale, v_scale) per layer: kv_scales, one

@@ -23,6 +23,7 @@ from engine_reference import (
 )
 from models.llama import LlamaConfig
 from paged_jax import SamplingParams
+from paged_jax.compile_cache import default_compile_cache_dir
 from paged_jax.engine import LLMEngine
 from paged_jax.engine_config import EngineConfig
 
@@ -136,11 +137,14 @@ def test_engine_config_warm_up_and_compile_cache_defaults(monkeypatch, tmp_path)
     assert EngineConfig().warm_up == "background"
     assert EngineConfig(warm_up=True).warm_up == "full" and EngineConfig(warm_up=False).warm_up == "none"
     assert EngineConfig(compile_cache_dir=None).compile_cache_dir is None
+    # The default defers to a cache the user configured, else default_compile_cache_dir()
+    # (tests/test_compile_cache.py enables both).
+    assert EngineConfig().compile_cache_dir == "auto"
     monkeypatch.setenv("PAGED_JAX_COMPILE_CACHE_DIR", str(tmp_path / "moved"))
-    assert EngineConfig().compile_cache_dir == str(tmp_path / "moved")
+    assert default_compile_cache_dir() == str(tmp_path / "moved")
     monkeypatch.delenv("PAGED_JAX_COMPILE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert EngineConfig().compile_cache_dir == str(tmp_path / "paged-jax" / "xla")
+    assert default_compile_cache_dir() == str(tmp_path / "paged-jax" / "xla")
 
 
 def test_max_model_len_beyond_the_model_is_rejected():
