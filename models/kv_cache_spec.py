@@ -2,8 +2,10 @@
 
 A model says what its cache holds (`model.kv_cache_specs(dtype)`, one spec per layer, as
 vLLM's AttentionSpec / KVCacheSpec do); the runner allocates the pool from the specs and
-sizes it in bytes per token, and the runner's attention backend is chosen for the spec.
-The block manager never sees a spec: it counts blocks, whatever a block holds.
+sizes it in bytes per token, and an attention backend is chosen for each spec. Layers with
+equal specs form one KV-cache group (kv_cache_group_specs) and share a block table. The
+block manager never sees a spec: it counts blocks, whatever a block holds, and learns only
+each group's attention type (every spec here is "full_attention").
 
 Layouts (the one place they are written down):
 - FullAttentionSpec (Llama / GQA / MQA): per layer a (k_cache, v_cache) pair, each
@@ -41,6 +43,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.core.config import KVCacheGroupSpec
 from paged_jax.core.kv_quant import (FORMATS, SCALE_DTYPE, KVQuantFormat, check_kv_cache_scaling,
                                      get_kv_quant_format)
 
@@ -53,6 +56,8 @@ class FullAttentionSpec:
       num_kv_heads, head_dim: the shape one token stores per array.
       dtype: the cache dtype name ("float32", "bfloat16", ...).
     """
+
+    attention_type = "full_attention"  # the host's KVCacheGroupSpec.attention_type (not a field)
 
     num_kv_heads: int
     head_dim: int
@@ -86,6 +91,8 @@ class MLAAttentionSpec:
       dtype: the cache dtype name.
     """
 
+    attention_type = "full_attention"  # the host's KVCacheGroupSpec.attention_type (not a field)
+
     kv_lora_rank: int
     qk_rope_head_dim: int
     dtype: str
@@ -116,6 +123,8 @@ class QuantizedAttentionSpec:
       kv_cache_dtype: "fp8_e4m3", "fp8_e5m2" or "int8" (paged_jax/core/kv_quant.py FORMATS).
       scaling: "per_token" (scales beside the pages) or "per_tensor" (one static scale a layer).
     """
+
+    attention_type = "full_attention"  # the host's KVCacheGroupSpec.attention_type (not a field)
 
     num_kv_heads: int
     head_dim: int
@@ -166,6 +175,35 @@ class QuantizedAttentionSpec:
 
 
 KVCacheSpec = FullAttentionSpec | MLAAttentionSpec | QuantizedAttentionSpec
+
+
+def kv_cache_group_specs(specs) -> tuple[KVCacheGroupSpec, ...]:
+    """The model's layers grouped by cache spec (equal specs share a group and so a block
+    table), groups in the order of their first layer (vLLM's KVCacheConfig.kv_cache_groups)."""
+    layers: dict = {}
+    for layer_id, spec in enumerate(specs):
+        layers.setdefault(spec, []).append(layer_id)
+    return tuple(KVCacheGroupSpec(tuple(ids), spec.attention_type) for spec, ids in layers.items())
+
+
+def check_kv_cache_groups(groups, specs) -> None:
+    """ValueError unless `groups` (CacheConfig.kv_cache_groups) put every layer in exactly one
+    group, each group's layers share one spec, and each group has its spec's attention type.
+    The default one group with no layer ids stands for every layer (host-only configs)."""
+    if groups == (KVCacheGroupSpec(),):
+        groups = (KVCacheGroupSpec(tuple(range(len(specs))), specs[0].attention_type),)
+    layer_ids = sorted(i for g in groups for i in g.layer_ids)
+    if layer_ids != list(range(len(specs))):
+        raise ValueError(f"kv_cache_groups cover layers {layer_ids}, but the model has {len(specs)}; put each layer "
+                         "in one group (models.kv_cache_spec.kv_cache_group_specs groups them by spec)")
+    for g in groups:
+        group_specs = {specs[i] for i in g.layer_ids}
+        if len(group_specs) != 1:
+            raise ValueError(f"KV-cache group of layers {g.layer_ids} mixes cache specs {group_specs}; a group shares "
+                             "one block table, so its layers need one spec (kv_cache_group_specs)")
+        if next(iter(group_specs)).attention_type != g.attention_type:
+            raise ValueError(f"KV-cache group of layers {g.layer_ids} says {g.attention_type!r}, its layers' spec "
+                             f"{next(iter(group_specs)).attention_type!r}")
 
 
 def attention_spec(num_kv_heads: int, head_dim: int, dtype: str, kv_cache_dtype: str = "auto",

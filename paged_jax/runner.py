@@ -45,11 +45,11 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from models.kv_cache_spec import QuantizedAttentionSpec, init_kv_caches, kv_cache_bytes_per_token
+from models.kv_cache_spec import QuantizedAttentionSpec, check_kv_cache_groups, init_kv_caches, kv_cache_bytes_per_token
 from paged_jax.attention import bind_layer, make_attention_backend
 from paged_jax.core.config import CacheConfig, SchedulerConfig
 from paged_jax.core.kv_quant import check_key_offsets, check_scale
-from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
+from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
 from paged_jax.sampler import sample
 from paged_jax.sharding import (SHARDED_CACHE_SPECS, TP_AXIS, ShardedAttention, cache_shardings,
                                 check_tensor_parallel, init_sharded_kv_caches, kv_head_replicas, local_value,
@@ -207,10 +207,12 @@ class ModelRunner:
       model: a registered model (models/registry.py): `embed`, `layers` (modules of one
         graph, each called as layer(x, positions, layer_cache, attn_metadata, attention)) and
         `compute_logits`; its state is split off once and its graph is static.
-      cache_config: block_size, num_blocks (null block included), max_model_len.
+      cache_config: block_size, num_blocks (null block included), max_model_len, and the KV-cache
+        groups (each layer reads its group's block table and slot mapping).
       scheduler_config: the step limits, whose buckets are the compiled shapes.
-      attention_impl: "xla", "pallas" or None (pallas on GPU, xla elsewhere); interpret runs
-        the Pallas kernel in interpret mode. Turned into one backend for the model's cache spec.
+      attention_impl: "xla", "triton" (alias "pallas") or None (triton on GPU, xla elsewhere);
+        interpret runs the Pallas kernel in interpret mode. Turned into one backend per group,
+        for its cache spec.
       kv_cache_dtype: defaults to the model's compute dtype.
       kv_cache_quant: "auto" (pages in kv_cache_dtype) or a quantized format ("fp8", "fp8_e4m3",
         "fp8_e5m2", "int8"; paged_jax/core/kv_quant.py), with kv_cache_scaling "per_token" or
@@ -236,8 +238,15 @@ class ModelRunner:
         self.scheduler_config = scheduler_config
         self.num_blocks = cache_config.num_blocks
         specs = model.kv_cache_specs(kv_cache_dtype, kv_cache_quant, kv_cache_scaling)
-        if len(set(specs)) != 1:
-            raise ValueError("layers with different cache specs need one backend each; this runner builds one")
+        groups = cache_config.kv_cache_groups
+        check_kv_cache_groups(groups, specs)
+        # layer -> its KV-cache group: the block table and slot mapping its attention reads.
+        # Every layer keeps a page for every block id (a block of group g is written by g's
+        # layers only), so a pool of one group wastes nothing.
+        self.layer_kv_cache_group = [0] * len(specs)
+        for group_id, group in enumerate(groups):
+            for layer_id in group.layer_ids:
+                self.layer_kv_cache_group[layer_id] = group_id
         self.tensor_parallel_size = tp = 1 if mesh is None else mesh.shape[TP_AXIS]
         self.kv_head_replicas = 1
         if mesh is not None:
@@ -249,9 +258,13 @@ class ModelRunner:
             self.kv_head_replicas = kv_head_replicas(model.config.num_kv_heads, tp)
             specs = tuple(sharded_cache_spec(spec, tp) for spec in specs)
         self.kv_cache_specs = specs
-        self.attention = make_attention_backend(specs[0], attention_impl, interpret=interpret)
+        # One backend per group (its spec's), the one its layers call.
+        self.attention_backends = [make_attention_backend(specs[self.layer_kv_cache_group.index(g)], attention_impl,
+                                                          interpret=interpret) for g in range(len(groups))]
         if mesh is not None:
-            self.attention = ShardedAttention(self.attention, mesh, self.kv_head_replicas)
+            self.attention_backends = [ShardedAttention(a, mesh, self.kv_head_replicas)
+                                       for a in self.attention_backends]
+        self.attention = self.attention_backends[0]  # the first group's (the only one's, for most models)
         self.attention_impl = self.attention.name
         self.kv_scales = static_kv_scales(specs[0], kv_scales, len(specs))
         self.kv_key_offsets = static_key_offsets(specs[0], kv_key_offsets, len(specs))
@@ -271,10 +284,12 @@ class ModelRunner:
         # The layers' weights stay one buffer per layer (no stacked copy). Groups of layers
         # with the same graphs share one compiled program; a model whose layers differ
         # (DeepSeek-V2's dense first layers before its MoE ones) gets one per kind of group.
+        # A program's kind is its layers' graphs and KV-cache groups (which table each reads).
         graphdefs = [nnx.graphdef(layer) for layer in model.layers]
-        groups = [tuple(graphdefs[i : i + layers_per_program]) for i in range(0, num_layers, layers_per_program)]
-        self._group_graphdefs = list(dict.fromkeys(groups))  # distinct kinds of group, first seen first
-        self._group_kind = [self._group_graphdefs.index(group) for group in groups]
+        kinds = [(tuple(graphdefs[i : i + layers_per_program]), tuple(self.layer_kv_cache_group[i : i + layers_per_program]))
+                 for i in range(0, num_layers, layers_per_program)]
+        self._group_graphdefs = list(dict.fromkeys(kinds))  # distinct kinds of group, first seen first
+        self._group_kind = [self._group_graphdefs.index(kind) for kind in kinds]
         # Each group's layer inputs (quantized pools), sliced once, not per step.
         self._group_layer_inputs = [{name: a[i : i + layers_per_program] for name, a in self.layer_inputs.items()}
                                     for i in range(0, num_layers, layers_per_program)]
@@ -314,10 +329,9 @@ class ModelRunner:
         self._thread: threading.Thread | None = None
         self._warming_up = False  # the warm-up thread takes shapes from _queue (set under _cond)
         self._error: BaseException | None = None
-        k = self.layers_per_program
-        # Shapes only: the warm-up thread must not read the live caches the steps donate.
-        self._abstract_caches = abstract_caches[:k]
-        self._abstract_pool = abstract_caches  # every layer's, for the page layout (no wait on the pool)
+        # Every layer's cache shapes: what programs compile against (the warm-up thread must not
+        # read the live caches the steps donate) and the page layout (no wait on the pool).
+        self._abstract_pool = abstract_caches
         # Page copies for the offload tiers: a gather and an in-place scatter program per
         # power-of-two block count up to MAX_PAGE_COPY (warm_up_page_copies compiles them).
         self._page_programs: dict[int, tuple] = {}
@@ -368,16 +382,20 @@ class ModelRunner:
     def _embed_fn(self, head_params, token_ids):
         return self._model(head_params).embed(token_ids)
 
-    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata, graphdefs=None, layer_inputs=None):
-        """layers_per_program consecutive layers: their params and caches are lists; graphdefs
-        (static) are their graphs, by default those of the first group; layer_inputs, a dict of
-        arrays with a leading layer axis (self.layer_inputs sliced), what the attention backend
-        binds per layer."""
+    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata: StepAttentionMetadata, kind=None,
+                  layer_inputs=None):
+        """layers_per_program consecutive layers: their params and caches are lists; kind
+        (static) is their (graphs, KV-cache groups), by default those of the first program;
+        each layer reads its group's view of attn_metadata and calls its group's backend;
+        layer_inputs, a dict of arrays with a leading layer axis (self.layer_inputs sliced),
+        what the attention backend binds per layer."""
         new_caches = []
-        graphdefs = graphdefs if graphdefs is not None else self._group_graphdefs[0]
-        for i, (graphdef, params, kv_cache) in enumerate(zip(graphdefs, layer_params, kv_caches)):
+        graphdefs, kv_groups = kind if kind is not None else self._group_graphdefs[0]
+        views = {g: attn_metadata.for_group(g) for g in set(kv_groups)}
+        for i, (graphdef, group, params, kv_cache) in enumerate(zip(graphdefs, kv_groups, layer_params, kv_caches)):
             layer = nnx.merge(graphdef, params)
-            x, kv_cache = layer(x, positions, kv_cache, attn_metadata, bind_layer(self.attention, layer_inputs, i))
+            attention = bind_layer(self.attention_backends[group], layer_inputs, i)
+            x, kv_cache = layer(x, positions, kv_cache, views[group], attention)
             new_caches.append(kv_cache)
         return x, new_caches
 
@@ -400,9 +418,9 @@ class ModelRunner:
         def embed_fn(head_params, packed):
             return self._embed_fn(head_params, unpack_step_inputs(packed, like).model.token_ids)
 
-        def layer_fn(layer_params, x, kv_caches, packed, layer_inputs, graphdefs):
+        def layer_fn(layer_params, x, kv_caches, packed, layer_inputs, kind):
             inputs = unpack_step_inputs(packed, like)
-            return self._layer_fn(layer_params, x, kv_caches, inputs.model.positions, inputs.attention, graphdefs,
+            return self._layer_fn(layer_params, x, kv_caches, inputs.model.positions, inputs.attention, kind,
                                   layer_inputs)
 
         def head_fn(head_params, x, packed):
@@ -413,16 +431,17 @@ class ModelRunner:
         x = jax.eval_shape(embed_fn, head_params, packed)
         x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
         k = self.layers_per_program
-        caches_out = None if self.mesh is None else [cache_shardings(spec, self.mesh)
-                                                     for spec in self.kv_cache_specs[:k]]
         layer_inputs = abstract(self._group_layer_inputs[0])
         layers = []  # one program per kind of layer group
-        for kind, graphdefs in enumerate(self._group_graphdefs):
-            first = self._group_kind.index(kind) * k
-            program = self._jit(functools.partial(layer_fn, graphdefs=graphdefs), (rep, caches_out),
+        for index, kind in enumerate(self._group_graphdefs):
+            first = self._group_kind.index(index) * k
+            caches_out = None if self.mesh is None else [cache_shardings(spec, self.mesh)
+                                                         for spec in self.kv_cache_specs[first : first + k]]
+            program = self._jit(functools.partial(layer_fn, kind=kind), (rep, caches_out),
                                 donate_argnums=(2,))
-            layers.append(program.lower(abstract(self.layer_params[first : first + k]), x, self._abstract_caches,
-                                        packed, layer_inputs).compile())
+            # Shapes only: the warm-up thread must not read the live caches the steps donate.
+            layers.append(program.lower(abstract(self.layer_params[first : first + k]), x,
+                                        self._abstract_pool[first : first + k], packed, layer_inputs).compile())
         head = self._jit(head_fn, (rep, rep)).lower(head_params, x, packed).compile()
         return embed, tuple(layers), head
 
@@ -481,7 +500,7 @@ class ModelRunner:
         if inputs.num_seqs == 0:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
         embed, layers, head = self._programs_for((inputs.model.token_ids.shape[0],
-                                                  inputs.attention.block_tables.shape[0]))
+                                                  inputs.attention.block_tables.shape[1]))
         packed = pack_step_inputs(inputs)
         if self.mesh is None:
             packed = jax.device_put(packed)  # once: every program reads this copy
@@ -610,10 +629,11 @@ class ModelRunner:
         return StepInputs(
             ModelInputs(token_ids=np.zeros(num_tokens, np.int32), positions=np.zeros(num_tokens, np.int32),
                         logits_indices=np.zeros(s, np.int32)),
-            AttentionMetadata(slot_mapping=np.zeros(num_tokens, np.int32),
-                              block_tables=np.zeros((s, self.cache_config.max_blocks_per_seq), np.int32),
-                              seq_lens=np.eye(1, s, dtype=np.int32)[0], query_start_loc=query_start_loc,
-                              num_seqs=np.ones(1, np.int32)),
+            StepAttentionMetadata(
+                slot_mapping=np.zeros((self.cache_config.num_kv_cache_groups, num_tokens), np.int32),
+                block_tables=np.zeros((self.cache_config.num_kv_cache_groups, s, self.cache_config.max_blocks_per_seq),
+                                      np.int32),
+                seq_lens=np.eye(1, s, dtype=np.int32)[0], query_start_loc=query_start_loc, num_seqs=np.ones(1, np.int32)),
             # Sampling rows that filter and draw, so the compiled step holds every branch.
             SamplingMetadata(temperature=np.ones(s, np.float32), top_k=np.full(s, 8, np.int32),
                              top_p=np.full(s, 0.9, np.float32), rng_keys=np.zeros((s, 2), np.uint32)),

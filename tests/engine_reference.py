@@ -145,6 +145,6 @@ def assert_no_leak(engine: LLMEngine) -> None:
     """Idle engine: every block but the null block is back in the free queue."""
     kv = engine.kv_cache_manager
     assert not engine.has_unfinished_requests()
-    assert kv.req_to_blocks == {}, f"blocks still held by {sorted(kv.req_to_blocks)}"
+    assert not kv.has_requests(), f"blocks still held by {sorted(kv.coordinator.managers[0].req_to_blocks)}"
     assert kv.get_num_free_blocks() == kv.config.num_usable_blocks
     kv.check_invariants()

@@ -6,11 +6,12 @@ test imports the other).
 
 import numpy as np
 
-from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
+from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
 
 
 def hand_step_inputs(chunks, block_size, width, token_bucket, seq_bucket):
-    """StepInputs for one step, padded as paged_jax.core.batch pads (padding -> null block 0).
+    """StepInputs for one step, padded as paged_jax.core.batch pads (padding -> null block 0),
+    for a model of one KV-cache group (`inputs.attention.for_group(0)` is what its layers read).
 
     chunks: list of (tokens, block_ids, start, end): the sequence's tokens [start, end) run
     this step, with tokens [0, start) already in the cache.
@@ -36,8 +37,9 @@ def hand_step_inputs(chunks, block_size, width, token_bucket, seq_bucket):
     return StepInputs(
         ModelInputs(token_ids=pad(token_ids, token_bucket), positions=pad(positions, token_bucket),
                     logits_indices=pad(logits_indices, seq_bucket)),
-        AttentionMetadata(slot_mapping=pad(slots, token_bucket), block_tables=block_tables,
-                          seq_lens=pad(seq_lens, seq_bucket), query_start_loc=pad(qsl, seq_bucket + 1, fill=num_tokens),
-                          num_seqs=np.array([num_seqs], np.int32)),
+        StepAttentionMetadata(slot_mapping=pad(slots, token_bucket)[None], block_tables=block_tables[None],
+                              seq_lens=pad(seq_lens, seq_bucket),
+                              query_start_loc=pad(qsl, seq_bucket + 1, fill=num_tokens),
+                              num_seqs=np.array([num_seqs], np.int32)),
         SamplingMetadata(temperature=np.zeros(seq_bucket, np.float32), top_k=np.full(seq_bucket, -1, np.int32),
                          top_p=np.ones(seq_bucket, np.float32), rng_keys=np.zeros((seq_bucket, 2), np.uint32)))

@@ -7,29 +7,31 @@ import numpy as np
 import pytest
 
 from paged_jax.core.batch import StepInputsBuilder, build_step_inputs
-from paged_jax.core.config import CacheConfig, SchedulerConfig, make_buckets
+from paged_jax.core.config import CacheConfig, KVCacheGroupSpec, SchedulerConfig, make_buckets
 from paged_jax.core.request import Request, SamplingParams
 from paged_jax.core.scheduler import SchedulerOutput
 
 
 def _output(entries, finished=(), preempted=()):
-    """entries: (request, num_computed, num_scheduled, new_block_ids, is_new)."""
+    """entries: (request, num_computed, num_scheduled, new_block_ids, is_new); new_block_ids is
+    one group's list, or a tuple of one list per KV-cache group."""
     out = SchedulerOutput(finished_req_ids=list(finished), preempted_req_ids=list(preempted))
     for request, computed, scheduled, block_ids, is_new in entries:
         out.requests.append(request)
         out.num_computed_tokens.append(computed)
         out.num_scheduled_tokens.append(scheduled)
         out.samples.append(computed + scheduled == request.num_tokens)
-        out.new_block_ids.append(block_ids)
+        out.new_block_ids.append(block_ids if isinstance(block_ids, tuple) else (block_ids,))
         out.is_new.append(is_new)
         out.total_num_scheduled_tokens += scheduled
     return out
 
 
-def _configs(block_size=4, max_blocks_per_seq=4, token_buckets=(4, 16), seq_buckets=(2, 4)):
+def _configs(block_size=4, max_blocks_per_seq=4, token_buckets=(4, 16), seq_buckets=(2, 4), num_groups=1):
     """Configs whose derived table width and buckets are the given ones (buckets as (min, max))."""
     max_model_len = block_size * max_blocks_per_seq
-    cache = CacheConfig(block_size, num_blocks=1024, max_model_len=max_model_len)
+    groups = tuple(KVCacheGroupSpec((g,)) for g in range(num_groups)) if num_groups > 1 else (KVCacheGroupSpec(),)
+    cache = CacheConfig(block_size, num_blocks=1024, max_model_len=max_model_len, kv_cache_groups=groups)
     scheduler = SchedulerConfig(max_num_seqs=seq_buckets[1], max_num_batched_tokens=token_buckets[1],
                                 max_model_len=max_model_len, min_token_bucket=token_buckets[0],
                                 min_seq_bucket=seq_buckets[0])
@@ -72,11 +74,11 @@ def test_hand_computed_two_steps():
     s1 = builder.build(_output([(r0, 0, 6, [3, 7], True), (r1, 8, 1, [5, 2, 9], True), (r2, 4, 3, [4, 6], True)]))
     np.testing.assert_array_equal(s1.model.token_ids, [10, 11, 12, 13, 14, 15, 28, 34, 35, 36, 0, 0, 0, 0, 0, 0])
     np.testing.assert_array_equal(s1.model.positions, [0, 1, 2, 3, 4, 5, 8, 4, 5, 6, 0, 0, 0, 0, 0, 0])
-    np.testing.assert_array_equal(s1.attention.slot_mapping, [12, 13, 14, 15, 28, 29, 36, 24, 25, 26, 0, 0, 0, 0, 0, 0])
-    np.testing.assert_array_equal(s1.attention.block_tables, [[3, 7, 0, 0], [5, 2, 9, 0], [4, 6, 0, 0], [0, 0, 0, 0]])
-    np.testing.assert_array_equal(s1.attention.seq_lens, [6, 9, 7, 0])
-    np.testing.assert_array_equal(s1.attention.query_start_loc, [0, 6, 7, 10, 10])
-    np.testing.assert_array_equal(s1.attention.num_seqs, [3])
+    np.testing.assert_array_equal(s1.attention.for_group(0).slot_mapping, [12, 13, 14, 15, 28, 29, 36, 24, 25, 26, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(s1.attention.for_group(0).block_tables, [[3, 7, 0, 0], [5, 2, 9, 0], [4, 6, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(s1.attention.for_group(0).seq_lens, [6, 9, 7, 0])
+    np.testing.assert_array_equal(s1.attention.for_group(0).query_start_loc, [0, 6, 7, 10, 10])
+    np.testing.assert_array_equal(s1.attention.for_group(0).num_seqs, [3])
     np.testing.assert_array_equal(s1.model.logits_indices, [5, 6, 9, 0])
     np.testing.assert_allclose(s1.sampling.temperature, [0.5, 0.0, 1.0, 0.0])
     np.testing.assert_array_equal(s1.sampling.top_k, [3, -1, -1, -1])
@@ -93,14 +95,35 @@ def test_hand_computed_two_steps():
     s2 = builder.build(_output([(r0, 6, 1, [], False), (r2, 7, 5, [8], False)], finished=["r1"]))
     np.testing.assert_array_equal(s2.model.token_ids, [50, 37, 38, 39, 40, 41, 0, 0])
     np.testing.assert_array_equal(s2.model.positions, [6, 7, 8, 9, 10, 11, 0, 0])
-    np.testing.assert_array_equal(s2.attention.slot_mapping, [30, 27, 32, 33, 34, 35, 0, 0])
-    np.testing.assert_array_equal(s2.attention.block_tables, [[3, 7, 0, 0], [4, 6, 8, 0]])
-    np.testing.assert_array_equal(s2.attention.seq_lens, [7, 12])
-    np.testing.assert_array_equal(s2.attention.query_start_loc, [0, 1, 6])
+    np.testing.assert_array_equal(s2.attention.for_group(0).slot_mapping, [30, 27, 32, 33, 34, 35, 0, 0])
+    np.testing.assert_array_equal(s2.attention.for_group(0).block_tables, [[3, 7, 0, 0], [4, 6, 8, 0]])
+    np.testing.assert_array_equal(s2.attention.for_group(0).seq_lens, [7, 12])
+    np.testing.assert_array_equal(s2.attention.for_group(0).query_start_loc, [0, 1, 6])
     np.testing.assert_array_equal(s2.model.logits_indices, [0, 5])
     np.testing.assert_array_equal(s2.sampling.rng_keys[:, 1], [1, 0])
     assert s2.sampling.rng_keys[0, 0] == s1.sampling.rng_keys[0, 0] and s2.sampling.rng_keys[1, 0] == s1.sampling.rng_keys[2, 0]
     assert "r1" not in builder._row_of
+
+
+def test_two_kv_cache_groups_get_their_own_tables_and_slots():
+    # The hand example's step 1 with a second group whose blocks are other ids: each group's
+    # slots come from its own table; the ragged layout is shared.
+    r0, r1, r2 = _hand_example()
+    builder = _builder(num_groups=2)
+    s1 = builder.build(_output([(r0, 0, 6, ([3, 7], [11, 12]), True), (r1, 8, 1, ([5, 2, 9], [13, 14, 15]), True),
+                                (r2, 4, 3, ([4, 6], [16, 17]), True)]))
+    assert s1.attention.slot_mapping.shape == (2, 16) and s1.attention.block_tables.shape == (2, 4, 4)
+    g0, g1 = s1.attention.for_group(0), s1.attention.for_group(1)
+    np.testing.assert_array_equal(g0.slot_mapping, [12, 13, 14, 15, 28, 29, 36, 24, 25, 26, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(g1.slot_mapping, [44, 45, 46, 47, 48, 49, 60, 68, 69, 70, 0, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(g1.block_tables, [[11, 12, 0, 0], [13, 14, 15, 0], [16, 17, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(g1.seq_lens, g0.seq_lens)
+    # step 2: r2 gets a new block in group 1 only; r0 decodes.
+    r0.append_output_token_ids(50)
+    s2 = builder.build(_output([(r0, 6, 1, ([], []), False), (r2, 7, 5, ([8], [18]), False)], finished=["r1"]))
+    np.testing.assert_array_equal(s2.attention.for_group(0).slot_mapping, [30, 27, 32, 33, 34, 35, 0, 0])
+    np.testing.assert_array_equal(s2.attention.for_group(1).slot_mapping, [50, 71, 72, 73, 74, 75, 0, 0])
+    np.testing.assert_array_equal(s2.attention.for_group(1).block_tables, [[11, 12, 0, 0], [16, 17, 18, 0]])
 
 
 def test_one_shot_matches_incremental():
@@ -108,7 +131,7 @@ def test_one_shot_matches_incremental():
     tables = {"r0": [3, 7], "r1": [5, 2, 9], "r2": [4, 6]}
     out = _output([(r0, 0, 6, [3, 7], True), (r1, 8, 1, [5, 2, 9], True), (r2, 4, 3, [4, 6], True)])
     a = _builder().build(out)
-    b = build_step_inputs(out, tables.__getitem__, *_configs(), seed=0)
+    b = build_step_inputs(out, lambda request_id: (tables[request_id],), *_configs(), seed=0)
     for part_a, part_b in zip(a, b):
         for name, x, y in zip(part_a._fields, part_a, part_b):
             np.testing.assert_array_equal(x, y, err_msg=name)
@@ -139,8 +162,8 @@ def test_tables_grow_past_initial_capacity():
     builder = _builder(max_blocks_per_seq=2, token_buckets=(512, 512), seq_buckets=(128, 256))
     reqs = [Request(f"r{i}", [i, i + 1]) for i in range(200)]
     s = builder.build(_output([(r, 0, 2, [i + 1], True) for i, r in enumerate(reqs)]))
-    np.testing.assert_array_equal(s.attention.block_tables[:200, 0], np.arange(1, 201))
-    np.testing.assert_array_equal(s.attention.slot_mapping[:400:2], np.arange(1, 201) * 4)
+    np.testing.assert_array_equal(s.attention.for_group(0).block_tables[:200, 0], np.arange(1, 201))
+    np.testing.assert_array_equal(s.attention.for_group(0).slot_mapping[:400:2], np.arange(1, 201) * 4)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -165,19 +188,19 @@ def test_random_batches_against_a_per_token_reference(seed):
     s = builder.build(_output(entries))
     t = 0
     for i, (request, computed, scheduled, table, _) in enumerate(entries):
-        assert s.attention.query_start_loc[i] == t and s.attention.seq_lens[i] == computed + scheduled
+        assert s.attention.for_group(0).query_start_loc[i] == t and s.attention.for_group(0).seq_lens[i] == computed + scheduled
         for pos in range(computed, computed + scheduled):
             assert s.model.positions[t] == pos
-            assert s.attention.slot_mapping[t] == table[pos // bs] * bs + pos % bs
+            assert s.attention.for_group(0).slot_mapping[t] == table[pos // bs] * bs + pos % bs
             t += 1
         assert s.model.logits_indices[i] == t - 1
-        assert s.attention.block_tables[i, : len(table)].tolist() == table and not s.attention.block_tables[i, len(table):].any()
+        assert s.attention.for_group(0).block_tables[i, : len(table)].tolist() == table and not s.attention.for_group(0).block_tables[i, len(table):].any()
     assert s.model.token_ids[:t].tolist() == expected_tokens
-    assert not s.attention.slot_mapping[t:].any() and not s.model.token_ids[t:].any()
+    assert not s.attention.for_group(0).slot_mapping[t:].any() and not s.model.token_ids[t:].any()
     assert s.model.token_ids.shape[0] == min(b for b in make_buckets(512, 16) if b >= t)
-    assert s.attention.seq_lens.shape[0] == min(b for b in make_buckets(32, 1) if b >= num_seqs)
-    assert (s.attention.query_start_loc[num_seqs:] == t).all() and not s.attention.block_tables[num_seqs:].any()
-    assert (s.attention.slot_mapping >= 0).all() and (s.attention.block_tables >= 0).all()
+    assert s.attention.for_group(0).seq_lens.shape[0] == min(b for b in make_buckets(32, 1) if b >= num_seqs)
+    assert (s.attention.for_group(0).query_start_loc[num_seqs:] == t).all() and not s.attention.for_group(0).block_tables[num_seqs:].any()
+    assert (s.attention.for_group(0).slot_mapping >= 0).all() and (s.attention.for_group(0).block_tables >= 0).all()
 
 
 def test_a_token_without_a_block_is_caught():

@@ -103,7 +103,11 @@ class ModelManager:
 
 
 def ids(blocks):
-    return None if blocks is None else [b.block_id for b in blocks]
+    """Block ids of the one KV-cache group's list in a KVCacheBlocks (None stays None)."""
+    if blocks is None:
+        return None
+    (group,) = blocks.get_block_ids()
+    return group
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
@@ -206,7 +210,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert [b.ref_cnt for b in pool.blocks[1:]] == self.model.ref[1:]
         assert len(pool.cached_block_hash_to_block) == len(self.model.cache)
         for rid in self.requests:
-            assert self.mgr.get_block_ids(rid) == self.model.tables.get(rid, [])
+            assert self.mgr.get_block_ids(rid) == (self.model.tables.get(rid, []),)
 
     def teardown(self):
         if not hasattr(self, "mgr"):
@@ -216,7 +220,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.mgr.check_invariants()
         assert self.mgr.get_num_free_blocks() == self.mgr.config.num_usable_blocks, "blocks leaked"
         assert all(b.ref_cnt == 0 for b in self.mgr.block_pool.blocks), "references leaked"
-        assert not self.mgr.req_to_blocks and not self.mgr.num_cached_block, "per-request state leaked"
+        managers = self.mgr.coordinator.managers
+        assert not any(m.req_to_blocks or m.num_cached_block for m in managers), "per-request state leaked"
 
 
 # ~50 steps per example: thousands of steps under the "ci" profile (200 examples), a couple of

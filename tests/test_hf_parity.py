@@ -77,7 +77,7 @@ def paged_logits(model, ids, chunk_ends, block_size=8, num_blocks=24, seed=0):
     assert len(block_ids[-1]) == blocks_per_seq, "num_blocks too small for the test sequences"
     specs = model.kv_cache_specs()
     attention = make_attention_backend(specs[0], "xla")
-    step = jax.jit(lambda inputs, kv: model(inputs.model, kv, inputs.attention, attention))
+    step = jax.jit(lambda inputs, kv: model(inputs.model, kv, inputs.attention.for_group(0), attention))
     kv_caches = init_kv_caches(specs, num_blocks, block_size)
     rows, start = [], 0
     for end in chunk_ends:

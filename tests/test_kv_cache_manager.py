@@ -9,14 +9,27 @@ import pytest
 
 from paged_jax.core.config import CacheConfig
 from paged_jax.core.hashing import hash_block_tokens, sha256_cbor
-from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from paged_jax.core.request import Request
 
 BS = 16
 
 
-def ids(blocks):
-    return None if blocks is None else [b.block_id for b in blocks]
+def ids(blocks: KVCacheBlocks | None):
+    """The block ids of a one-group manager's KVCacheBlocks (None stays None)."""
+    if blocks is None:
+        return None
+    (group,) = blocks.get_block_ids()
+    return group
+
+
+def table(mgr, request_id):
+    """The request's block table in the manager's one group."""
+    return mgr.coordinator.managers[0].req_to_blocks[request_id]
+
+
+def num_cached(mgr):
+    return mgr.coordinator.managers[0].num_cached_block
 
 
 def queue(mgr):
@@ -50,7 +63,7 @@ def test_pinned_prefill_sharing_and_free_order():
     mgr = make_manager()
     r0 = Request("r0", COMMON + [3] * 7)  # 55 tokens: 3 full blocks + 7
     blocks, num_hit = mgr.get_computed_blocks(r0)
-    assert (blocks, num_hit) == ([], 0)  # empty cache
+    assert (ids(blocks), num_hit) == ([], 0)  # empty cache
     assert ids(mgr.allocate_slots(r0, 55, 0, blocks)) == [1, 2, 3, 4]
     # Full blocks carry the chain hash, the partial one none.
     parent = root(mgr)
@@ -76,7 +89,7 @@ def test_pinned_prefill_sharing_and_free_order():
     # r1 frees [5, 3, 2, 1]: 5 to the head, the hashed 3, 2, 1 to the tail in that order.
     mgr.free(r1)
     assert queue(mgr) == [5, 4, 6, 7, 8, 9, 10, 3, 2, 1]
-    assert mgr.get_block_ids("r1") == []
+    assert mgr.get_block_ids("r1") == ([],)
     mgr.check_invariants()
 
     # Hit while the blocks are free: touch takes them out of the queue; 5 is taken next.
@@ -99,7 +112,7 @@ def test_pinned_prefill_sharing_and_free_order():
 def test_pinned_caching_disabled_frees_to_head_in_reverse():
     mgr = make_manager(enable_caching=False)
     req = Request("r0", list(range(48)))
-    assert mgr.get_computed_blocks(req) == ([], 0)
+    assert (ids(mgr.get_computed_blocks(req)[0]), mgr.get_computed_blocks(req)[1]) == ([], 0)
     assert ids(mgr.allocate_slots(req, 48)) == [1, 2, 3]
     assert len(mgr.block_pool.cached_block_hash_to_block) == 0
     assert req.block_hashes == []  # nothing is hashed when nothing is cached
@@ -150,12 +163,12 @@ def test_seed_article_walkthrough_on_7_blocks():
     blocks, num_hit = mgr.get_computed_blocks(b)
     assert ids(blocks) == [1] and num_hit == 4
     # B needs 2 new blocks plus its hit block (itself in the free queue); 1 is free.
-    assert mgr.get_num_blocks_to_allocate("B", 10, blocks) == 3
+    assert mgr.coordinator.get_num_blocks_to_allocate("B", 10, blocks.blocks) == 3
     assert mgr.allocate_slots(b, 6, 4, blocks) is None
     # All or nothing: block 1 stays cached in the queue, B holds nothing.
     assert queue(mgr) == [1] and mgr.block_pool.blocks[1].ref_cnt == 0
     assert mgr.block_pool.blocks[1].block_hash == a_hashes[0]
-    assert mgr.get_block_ids("B") == []
+    assert mgr.get_block_ids("B") == ([],)
     mgr.check_invariants()
 
 
@@ -166,15 +179,15 @@ def test_decode_growth():
     assert ids(prefill(mgr, req)[2]) == [1, 2, 3, 4]
     for _ in range(4):
         req.append_output_token_ids(8)
-    assert mgr.allocate_slots(req, 4) == []  # 55 + 4 = 59 slots fit in 4 blocks
-    assert mgr.req_to_blocks["r0"][-1].block_hash is None
+    assert ids(mgr.allocate_slots(req, 4)) == []  # 55 + 4 = 59 slots fit in 4 blocks
+    assert table(mgr, "r0")[-1].block_hash is None
     req.num_computed_tokens = 59
     for _ in range(9 + 10):  # 9 fill block 4, 10 spill into a fifth block
         req.append_output_token_ids(7)
     assert ids(mgr.allocate_slots(req, 19)) == [5]
-    assert mgr.req_to_blocks["r0"][-2].block_hash is not None  # block 4 became full: cached
-    assert mgr.req_to_blocks["r0"][-1].block_hash is None
-    assert mgr.num_cached_block["r0"] == 4
+    assert table(mgr, "r0")[-2].block_hash is not None  # block 4 became full: cached
+    assert table(mgr, "r0")[-1].block_hash is None
+    assert num_cached(mgr)["r0"] == 4
     mgr.check_invariants({"r0": req})
 
 
@@ -212,7 +225,7 @@ def test_hit_block_not_evicted_by_own_allocation():
     assert ids(blocks) == [1] and num_hit == 4
     # Touching first takes 1 out of the queue, so the new block is 3, not B's own hit.
     assert ids(mgr.allocate_slots(b, 4, 4, blocks)) == [3]
-    assert mgr.get_block_ids("B") == [1, 3]
+    assert mgr.get_block_ids("B") == ([1, 3],)
     assert mgr.block_pool.blocks[1].block_hash is not None
     mgr.check_invariants({"B": b})
 
@@ -234,8 +247,8 @@ def test_not_enough_blocks_leaves_hits_untouched():
     assert blocks == part1 and num_hit == 96
     before = queue(mgr)
     assert mgr.allocate_slots(r3, 48, 96, blocks) is None  # needs 3 new + 3 evictable > 5
-    assert [b.ref_cnt for b in part1] == [1, 1, 1, 0, 0, 0]
-    assert queue(mgr) == before and "3" not in mgr.req_to_blocks
+    assert [b.ref_cnt for b in part1.blocks[0]] == [1, 1, 1, 0, 0, 0]
+    assert queue(mgr) == before and mgr.get_block_ids("3") == ([],)
     mgr.check_invariants()
 
 
@@ -298,6 +311,8 @@ def test_stats_count_preempted_requests_apart():
     # Block 4 is cached too, but (64 - 1) // 16 = 3 blocks at most: the last token is recomputed.
     assert mgr.block_pool.blocks[4].block_hash == r0.block_hashes[3]
     assert ids(blocks) == [1, 2, 3] and num_hit == 48
+    assert mgr.prefix_cache_stats == stats  # a lookup counts when the request is admitted
+    assert mgr.allocate_slots(r0, 64 - num_hit, num_hit, blocks) is not None
     now = mgr.prefix_cache_stats
     assert (now.requests, now.preempted_requests, now.preempted_queries, now.preempted_hits) == (2, 1, 64, 48)
     assert (now.queries, now.hits) == (stats.queries, stats.hits)  # the hit rate counts fresh requests only
@@ -307,10 +322,10 @@ def test_chunked_prefill_caches_full_blocks_per_chunk():
     mgr = make_manager()
     req = Request("r", list(range(100)))
     assert ids(mgr.allocate_slots(req, 40)) == [1, 2, 3]
-    assert mgr.num_cached_block["r"] == 2  # 40 // 16
+    assert num_cached(mgr)["r"] == 2  # 40 // 16
     req.num_computed_tokens = 40
     assert ids(mgr.allocate_slots(req, 60)) == [4, 5, 6, 7]
-    assert mgr.num_cached_block["r"] == 6
+    assert num_cached(mgr)["r"] == 6
     assert len(mgr.block_pool.cached_block_hash_to_block) == 6
     mgr.check_invariants({"r": req})
 
@@ -319,12 +334,12 @@ def test_lookahead_slots_are_allocated_but_never_cached_and_cap_at_max_model_len
     mgr = make_manager(max_model_len=40)
     req = Request("r", list(range(15)))
     assert ids(mgr.allocate_slots(req, 15, num_lookahead_tokens=1)) == [1]
-    assert mgr.num_cached_block.get("r", 0) == 0  # 15 real tokens: no full block
+    assert num_cached(mgr).get("r", 0) == 0  # 15 real tokens: no full block
     req.num_computed_tokens = 15
     req.append_output_token_ids(list(range(20)))  # 35 tokens
     # 15 + 20 + 10 lookahead = 45 slots, capped at max_model_len 40 -> 3 blocks.
     assert ids(mgr.allocate_slots(req, 20, num_lookahead_tokens=10)) == [2, 3]
-    assert mgr.num_cached_block["r"] == 2  # 35 // 16
+    assert num_cached(mgr)["r"] == 2  # 35 // 16
     assert mgr.block_pool.blocks[3].block_hash is None
     mgr.check_invariants({"r": req})
 
@@ -406,9 +421,9 @@ def test_bad_requests_raise_value_error():
                dict(num_new_tokens=1, num_lookahead_tokens=-2)):
         with pytest.raises(ValueError, match=">= 0"):
             mgr.allocate_slots(ok, **kw)
-    assert mgr.get_block_ids("ok") == [] and mgr.get_num_free_blocks() == 10
+    assert mgr.get_block_ids("ok") == ([],) and mgr.get_num_free_blocks() == 10
     mgr.allocate_slots(ok, 20)
-    hit = mgr.block_pool.blocks[1:2]
+    hit = KVCacheBlocks((mgr.block_pool.blocks[1:2],))
     with pytest.raises(ValueError, match="first allocation"):
         mgr.allocate_slots(ok, 1, 16, hit)
     off = make_manager(enable_caching=False)

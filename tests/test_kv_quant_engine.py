@@ -242,7 +242,7 @@ def test_pages_hold_each_layers_centered_rotated_keys(workload):
     engine = LLMEngine(config, model=model, tokenizer=base.tokenizer)
     engine.add_request("r", prompt, greedy_params(4))
     engine.step()  # the whole prompt is prefilled in this step
-    block_ids = engine.kv_cache_manager.get_block_ids("r")
+    (block_ids,) = engine.kv_cache_manager.get_block_ids("r")
     fmt = FORMATS["fp8_e4m3"]
     rotation = key_rotation(dense[0][0].shape[-1]).astype(np.float64)
     n = len(prompt)

@@ -137,7 +137,7 @@ def run_paged_vs_dense(config, impl, *, block_size=4, num_blocks=20, token_bucke
     kv_caches = init_kv_caches(specs, num_blocks, block_size)
     kv_caches = [(k.at[1:].set(jnp.nan), v.at[1:].set(jnp.nan)) for k, v in kv_caches]
     attention = make_attention_backend(specs[0], impl, interpret=(impl == "pallas"))
-    step = jax.jit(lambda inputs, caches: model(inputs.model, caches, inputs.attention, attention))
+    step = jax.jit(lambda inputs, caches: model(inputs.model, caches, inputs.attention.for_group(0), attention))
 
     done = {i: 0 for i in SCHEDULE}
     num_steps = len(SCHEDULE[0][1])
@@ -219,7 +219,7 @@ def test_step_with_donated_caches_updates_in_place():
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(state, kv_caches, inputs):
         model = nnx.merge(graphdef, state)
-        return model(inputs.model, kv_caches, inputs.attention, attention)
+        return model(inputs.model, kv_caches, inputs.attention.for_group(0), attention)
 
     num_blocks, block_size = 512, 16
     kv_caches = init_kv_caches(model.kv_cache_specs(), num_blocks, block_size)
@@ -250,4 +250,4 @@ def test_wrong_number_of_caches_is_a_value_error():
     inputs = hand_step_inputs([(np.arange(3), [1], 0, 3)], 4, 2, 4, 1)
     caches = init_kv_caches(model.kv_cache_specs()[:1], 4, 4)
     with pytest.raises(ValueError, match="got 1 layer caches for 2 layers"):
-        model(inputs.model, caches, inputs.attention, make_attention_backend(model.kv_cache_specs()[0], "xla"))
+        model(inputs.model, caches, inputs.attention.for_group(0), make_attention_backend(model.kv_cache_specs()[0], "xla"))

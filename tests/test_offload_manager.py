@@ -14,6 +14,12 @@ from paged_jax.core.request import Request, SamplingParams
 BS = 4
 
 
+def table_of(kv, request_id):
+    """The request's block ids in the manager's one KV-cache group."""
+    (ids,) = kv.get_block_ids(request_id)
+    return ids
+
+
 def make(num_blocks=8, host_entries=8):
     codec = PageCodec([PageLeaf((BS, 1, 1), "float32")])
     offload = OffloadManager(OffloadConfig(host_entries * codec.nbytes), codec, BS)
@@ -42,11 +48,11 @@ def test_swap_out_keys_full_blocks_by_hash_and_the_partial_one_privately():
     kv.get_computed_blocks(r)
     assert kv.allocate_slots(r, 6) is not None  # a 6-token chunk: block 0 full, block 1 half
     r.num_computed_tokens = 6
-    table = kv.get_block_ids("r")
+    table = table_of(kv, "r")
     assert kv.swap_out(r)
     h0 = r.block_hashes[0]
     assert offload.swapped["r"].keys == [h0, ("swap", "r", 1)] and offload.swapped["r"].num_tokens == 6
-    assert kv.get_block_ids("r") == [] and kv.get_num_free_blocks() == 7
+    assert table_of(kv, "r") == [] and kv.get_num_free_blocks() == 7
     copies = apply(offload)
     assert copies.store_block_ids.tolist() == table  # both pages go down before the next step
     assert offload.host.is_pinned(h0) and offload.host.is_pinned(("swap", "r", 1))
@@ -67,11 +73,11 @@ def test_a_swapped_partial_block_ends_the_lookup():
     h2 = r.block_hashes[2]
     assert offload.host.reserve(h2) and offload.host.fill(h2, np.zeros(offload.codec.nbytes, np.uint8))
     blocks, num_hit_tokens = kv.get_computed_blocks(r)
-    assert [b.block_hash for b in blocks] == [r.block_hashes[0]]  # still on the device (freed, cached)
+    assert [b.block_hash for b in blocks.blocks[0]] == [r.block_hashes[0]]  # still on the device (freed, cached)
     assert num_hit_tokens == 6, "the lookup ran past the swapped request's partial block"
     assert kv.allocate_slots(r, 14 - 6, num_hit_tokens, blocks) is not None
     copies = apply(offload)
-    assert copies.load_block_ids.tolist() == kv.get_block_ids("r")[1:2]  # the partial page comes back
+    assert copies.load_block_ids.tolist() == table_of(kv, "r")[1:2]  # the partial page comes back
     assert "r" not in offload.swapped and ("swap", "r", 1) not in offload.host  # consumed
     assert offload.stats.num_swap_ins == 1 and offload.host.num_pinned == 0
 
@@ -82,9 +88,9 @@ def test_swap_falls_back_when_the_host_tier_cannot_hold_the_pages():
     kv.get_computed_blocks(r)
     kv.allocate_slots(r, 10)
     r.num_computed_tokens = 10
-    table = kv.get_block_ids("r")
+    table = table_of(kv, "r")
     assert not kv.swap_out(r), "3 pages cannot fit a host tier of 1"
-    assert kv.get_block_ids("r") == table and len(offload.host) == 0 and offload.stats.num_swap_fallbacks == 1
+    assert table_of(kv, "r") == table and len(offload.host) == 0 and offload.stats.num_swap_fallbacks == 1
     assert offload.take_step_copies() is None
 
 
@@ -115,4 +121,4 @@ def test_eviction_copies_down_only_hashes_that_leave_the_device():
     copies = apply(offload)
     assert copies.store_block_ids.tolist() == [2] and offload.host.keys() == [a.block_hashes[1]]
     blocks, num_hit_tokens = kv.get_computed_blocks(request("a2", list(range(1, 10))))
-    assert [b.block_id for b in blocks] == [1] and num_hit_tokens == 8  # device, then host
+    assert blocks.get_block_ids() == ([1],) and num_hit_tokens == 8  # device, then host

@@ -49,7 +49,7 @@ class FakeDevice:
                 self.pages[copies.load_block_ids] = copies.load()[0]
                 self.num_loaded += copies.load_block_ids.size
         for request, computed, num_new in zip(out.requests, out.num_computed_tokens, out.num_scheduled_tokens):
-            table = kv.get_block_ids(request.request_id)
+            (table,) = kv.get_block_ids(request.request_id)
             tokens = request.all_token_ids
             have = [self.pages[table[p // BS], p % BS, 0, 0] for p in range(computed)]
             assert have == [float(t) for t in tokens[:computed]], (

@@ -96,7 +96,7 @@ def test_serving_after_warm_up_compiles_nothing(backend_compiles, monkeypatch):
 
     def recording_build(scheduler_output, *args):
         inputs = build(scheduler_output, *args)
-        seen.add((inputs.model.token_ids.shape[0], inputs.attention.block_tables.shape[0]))
+        seen.add((inputs.model.token_ids.shape[0], inputs.attention.block_tables.shape[1]))
         return inputs
 
     monkeypatch.setattr(engine.input_builder, "build", recording_build)
@@ -201,8 +201,8 @@ def test_num_blocks_for_budget():
 
 
 def test_runner_rejects_unknown_attention_impl():
-    with pytest.raises(ValueError, match="attention_impl='triton' must be one of"):
-        make_runner(2, 1, 16, max_model_len=64, attention_impl="triton")
+    with pytest.raises(ValueError, match="attention_impl='flash'"):
+        make_runner(2, 1, 16, max_model_len=64, attention_impl="flash")
 
 
 def test_layers_per_program():
@@ -274,7 +274,7 @@ def test_grouped_layer_programs_match_the_model(num_layers, per_program):
                          layers_per_program=per_program)
     assert runner.layers_per_program == {3: 3, 7: 1, 4: 4}[num_layers]
     caches = init_kv_caches(llama.kv_cache_specs(), 9, BLOCK_SIZE)
-    reference = jax.jit(lambda inputs, caches: llama(inputs.model, caches, inputs.attention, runner.attention))
+    reference = jax.jit(lambda inputs, caches: llama(inputs.model, caches, inputs.attention.for_group(0), runner.attention))
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 20)
     width = runner.cache_config.max_blocks_per_seq
     for start, end in ((0, 13), (13, 14)):

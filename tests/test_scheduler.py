@@ -25,8 +25,9 @@ def _req(rid, n, start=0, max_tokens=100, **kw):
 
 
 def _view(out):
-    return (out.req_ids, out.num_computed_tokens, out.num_scheduled_tokens, out.samples, out.new_block_ids,
-            out.is_new)
+    """The step's lists; block ids of the one KV-cache group (unpacking fails on more)."""
+    return (out.req_ids, out.num_computed_tokens, out.num_scheduled_tokens, out.samples,
+            [ids for (ids,) in out.new_block_ids], out.is_new)
 
 
 def _step(sched, tokens=None):
@@ -93,7 +94,7 @@ def test_preempt_most_recent_then_self_and_queue_order():
     for r in (a, b, c):
         s.add_request(r)
     out, _ = _step(s)
-    assert out.new_block_ids == [[1], [2], [3]]
+    assert out.new_block_ids == [([1],), ([2],), ([3],)]  # one list per KV-cache group
     # step 2: A's 5th token needs a block: C (admitted last) is preempted and A gets C's
     # block 3; B then needs one too, and the newest running request is B itself.
     out, _ = _step(s, [8])
@@ -101,7 +102,7 @@ def test_preempt_most_recent_then_self_and_queue_order():
     assert out.preempted_req_ids == ["C", "B"]
     assert [r.request_id for r in s.waiting] == ["B", "C"], "the last preempted goes first"
     assert (b.status, b.num_computed_tokens, b.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
-    assert s.num_preemptions == 2 and s.kv_cache_manager.get_block_ids("B") == []
+    assert s.num_preemptions == 2 and s.kv_cache_manager.get_block_ids("B") == ([],)
     assert b.output_token_ids == [7] and c.output_token_ids == [7], "outputs survive preemption"
     # step 3: B hits its own cached block 2 but needs one more; none free -> nobody admitted.
     out, _ = _step(s)
@@ -115,7 +116,7 @@ def test_preemption_step_admits_nobody_then_resume_hits_the_prefix_cache():
     s.add_request(a)
     s.add_request(b)
     out, _ = _step(s)
-    assert out.new_block_ids == [[1, 2], [3, 4]]
+    assert out.new_block_ids == [([1, 2],), ([3, 4],)]
     s.add_request(c)
     for _ in range(2):  # A reaches 9 tokens, B 8; C stays queued: no free block
         out, _ = _step(s)
@@ -162,7 +163,7 @@ def test_prefix_hit_at_admission_sets_num_cached_tokens():
     s.add_request(_req("B", 11))  # shares A's first 8 tokens (two full blocks)
     out, res = _step(s)
     assert _view(out)[:3] == (["A", "B"], [10, 8], [1, 3])
-    assert out.new_block_ids[1][:2] == [1, 2] and res[1].num_cached_tokens == 8
+    assert out.new_block_ids[1][0][:2] == [1, 2] and res[1].num_cached_tokens == 8
 
 
 @pytest.mark.parametrize(
@@ -273,11 +274,12 @@ def _simulate(seed, *, num_blocks, budget, max_num_seqs, caching, threshold, num
         assert out.total_num_scheduled_tokens <= budget and out.num_seqs <= max_num_seqs
         inputs = builder.build(out)
         n = out.total_num_scheduled_tokens
-        store[inputs.attention.slot_mapping[:n]] = inputs.model.token_ids[:n]  # the step writes every K/V first
+        attention = inputs.attention.for_group(0)
+        store[attention.slot_mapping[:n]] = inputs.model.token_ids[:n]  # the step writes every K/V first
         sampled = []
         for i in range(out.num_seqs):
-            length = int(inputs.attention.seq_lens[i])
-            table = inputs.attention.block_tables[i]
+            length = int(attention.seq_lens[i])
+            table = attention.block_tables[i]
             slots = table[np.arange(length) // bs] * bs + np.arange(length) % bs
             sampled.append(model(store[slots].tolist()))
         s.update_from_output(out, sampled)
@@ -308,3 +310,20 @@ def test_random_simulation_matches_unbatched_reference(seed, caching):
 def test_random_simulation_with_preemption_and_chunking(seed):
     s, _ = _simulate(seed, num_blocks=14, budget=8, max_num_seqs=8, caching=True, threshold=5, num_reqs=24)
     assert s.num_preemptions > 0, "the small pool must force preemption"
+
+
+def test_a_request_blocked_at_the_head_is_counted_once():
+    # 5 usable blocks of 4: A (12 tokens + 6 outputs) grows to all 5, so B waits at the head
+    # of the queue, looked up every step, until A finishes; the prefix-cache stats count
+    # each request once, when it is admitted (2 requests, 12 + 9 tokens looked up).
+    s = _make(num_blocks=6)
+    s.add_request(_req("A", 12, max_tokens=6))
+    s.add_request(_req("B", 9, 100, max_tokens=1))
+    steps_waited = 0
+    while s.has_unfinished_requests():
+        out, _ = _step(s)
+        steps_waited += "B" not in out.req_ids and s.requests.get("B") is not None
+    stats = s.kv_cache_manager.prefix_cache_stats
+    assert steps_waited >= 4, "B never waited: the test would not see a recount"
+    assert (stats.requests, stats.queries, stats.hits) == (2, 12 + 9, 0)
+    s.kv_cache_manager.check_invariants()

@@ -15,7 +15,7 @@ import bisect
 import numpy as np
 
 from paged_jax.core.config import CacheConfig, SchedulerConfig
-from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
+from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
 
 
 def _seed_to_u32(seed: int) -> int:
@@ -36,8 +36,8 @@ def _pick_bucket(buckets: list[int], n: int, what: str) -> int:
 class StepInputsBuilder:
     """Turns SchedulerOutputs into StepInputs, keeping per-request state between steps.
 
-    Each live request owns a row of a persistent block-table array; a step appends only the
-    blocks allocated in it, so a decode costs O(1) Python work and the table itself is
+    Each live request owns a row of a persistent block-table array (one table per KV-cache
+    group); a step appends only the blocks allocated in it, so a decode costs O(1) Python work and the table itself is
     gathered with one fancy index. Call build() on EVERY SchedulerOutput: it is where rows
     of finished and preempted requests are released.
 
@@ -52,6 +52,7 @@ class StepInputsBuilder:
         self.choose_shape = choose_shape
         self.block_size = cache_config.block_size
         self.max_blocks_per_seq = cache_config.max_blocks_per_seq
+        self.num_groups = cache_config.num_kv_cache_groups
         self.token_buckets = scheduler_config.token_buckets
         self.seq_buckets = scheduler_config.seq_buckets
         self._rng = np.random.default_rng(seed)
@@ -62,9 +63,10 @@ class StepInputsBuilder:
 
     def _grow(self, capacity: int) -> None:
         old = getattr(self, "_tables", None)
-        start = 0 if old is None else old.shape[0]
-        tables = np.zeros((capacity, self.max_blocks_per_seq), np.int32)
-        fields = {"_num_blocks": np.int32, "_num_prompt": np.int32, "_temperature": np.float32,
+        start = 0 if old is None else old.shape[1]
+        tables = np.zeros((self.num_groups, capacity, self.max_blocks_per_seq), np.int32)
+        num_blocks = np.zeros((self.num_groups, capacity), np.int32)
+        fields = {"_num_prompt": np.int32, "_temperature": np.float32,
                   "_top_k": np.int32, "_top_p": np.float32, "_seed": np.uint32}
         for name, dtype in fields.items():
             arr = np.zeros(capacity, dtype)
@@ -72,22 +74,25 @@ class StepInputsBuilder:
                 arr[:start] = getattr(self, name)
             setattr(self, name, arr)
         if old is not None:
-            tables[:start] = old
-        self._tables = tables
+            tables[:, :start] = old
+            num_blocks[:, :start] = self._num_blocks
+        self._tables, self._num_blocks = tables, num_blocks
         self._free_rows.extend(range(capacity - 1, start - 1, -1))
 
     def _add_row(self, request, block_ids) -> int:
         row = self._row_of.get(request.request_id)
         if row is None:
             if not self._free_rows:
-                self._grow(2 * self._tables.shape[0])
+                self._grow(2 * self._tables.shape[1])
             row = self._free_rows.pop()
             self._row_of[request.request_id] = row
-        n = len(block_ids)
-        assert n <= self.max_blocks_per_seq, f"{n} blocks exceed the table width {self.max_blocks_per_seq}"
-        self._tables[row, :n] = block_ids
-        self._tables[row, n:] = 0
-        self._num_blocks[row] = n
+        assert len(block_ids) == self.num_groups, f"{len(block_ids)} block tables for {self.num_groups} groups"
+        for g, ids in enumerate(block_ids):
+            n = len(ids)
+            assert n <= self.max_blocks_per_seq, f"{n} blocks exceed the table width {self.max_blocks_per_seq}"
+            self._tables[g, row, :n] = ids
+            self._tables[g, row, n:] = 0
+            self._num_blocks[g, row] = n
         self._num_prompt[row] = request.num_prompt_tokens
         params = request.sampling_params
         self._temperature[row] = params.temperature
@@ -113,7 +118,7 @@ class StepInputsBuilder:
         Args:
           scheduler_output: a scheduler.SchedulerOutput; sequence i of the step is its i-th
             scheduled request (tokens [num_computed, num_computed + num_scheduled)).
-          get_block_ids: optional request_id -> full block-id list (e.g.
+          get_block_ids: optional request_id -> its block-id list per group (e.g.
             KVCacheManager.get_block_ids); when given, every table is re-read from it
             (slow path, for one-shot use) instead of being appended incrementally.
         Returns:
@@ -137,11 +142,13 @@ class StepInputsBuilder:
             elif is_new or row is None:
                 assert is_new, f"request {request.request_id!r} has no block table yet and came without one"
                 row = self._add_row(request, new_ids)
-            elif new_ids:
-                k, m = int(num_blocks[row]), len(new_ids)
-                assert k + m <= self.max_blocks_per_seq, f"{k + m} blocks exceed the table width"
-                tables[row, k : k + m] = new_ids
-                num_blocks[row] = k + m
+            else:
+                for g, ids in enumerate(new_ids):
+                    if ids:
+                        k, m = int(num_blocks[g, row]), len(ids)
+                        assert k + m <= self.max_blocks_per_seq, f"{k + m} blocks exceed the table width"
+                        tables[g, row, k : k + m] = ids
+                        num_blocks[g, row] = k + m
             rows.append(row)
             if n == 1:
                 token_ids.append(request.all_token_ids[c])
@@ -169,8 +176,8 @@ class StepInputsBuilder:
         query_start_loc[0] = 0
         np.cumsum(scheduled, out=query_start_loc[1 : num_seqs + 1])
         query_start_loc[num_seqs + 1 :] = query_start_loc[num_seqs]
-        block_tables = np.zeros((s_pad, self.max_blocks_per_seq), np.int32)
-        block_tables[:num_seqs] = self._tables[rows]
+        block_tables = np.zeros((self.num_groups, s_pad, self.max_blocks_per_seq), np.int32)
+        block_tables[:, :num_seqs] = self._tables[:, rows]
 
         if num_tokens == num_seqs:  # decode-only step: one token per sequence
             seq_of_token, real_positions = np.arange(num_seqs), computed
@@ -179,13 +186,13 @@ class StepInputsBuilder:
             offsets = np.arange(num_tokens, dtype=np.int32) - query_start_loc[:num_seqs][seq_of_token]
             real_positions = computed[seq_of_token] + offsets
         block_index = real_positions // bs
-        assert num_tokens == 0 or np.all(block_index < self._num_blocks[rows][seq_of_token]), (
+        assert num_tokens == 0 or np.all(block_index < self._num_blocks[:, rows][:, seq_of_token]), (
             "a scheduled token has no block: allocate_slots must cover every scheduled token"
         )
         positions = np.zeros(t_pad, np.int32)
         positions[:num_tokens] = real_positions
-        slot_mapping = np.zeros(t_pad, np.int32)  # padded tokens write slot 0, inside the null block
-        slot_mapping[:num_tokens] = block_tables[seq_of_token, block_index] * bs + real_positions % bs
+        slot_mapping = np.zeros((self.num_groups, t_pad), np.int32)  # padding writes slot 0, in the null block
+        slot_mapping[:, :num_tokens] = block_tables[:, seq_of_token, block_index] * bs + real_positions % bs
         tokens = np.zeros(t_pad, np.int32)
         tokens[:num_tokens] = token_ids
 
@@ -203,8 +210,8 @@ class StepInputsBuilder:
         rng_keys[:num_seqs, 1] = np.maximum(seq_lens[:num_seqs] - self._num_prompt[rows], 0)
         return StepInputs(
             ModelInputs(token_ids=tokens, positions=positions, logits_indices=logits_indices),
-            AttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
-                              query_start_loc=query_start_loc, num_seqs=np.array([num_seqs], np.int32)),
+            StepAttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,
+                                  query_start_loc=query_start_loc, num_seqs=np.array([num_seqs], np.int32)),
             SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, rng_keys=rng_keys),
         )
 

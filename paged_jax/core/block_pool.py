@@ -5,7 +5,9 @@ Invariants (check_invariants asserts each one):
   the head is taken first. There is no separate set of cached blocks: a freed block keeps
   its hash in the queue and stays hit-able until it is popped for reuse, which is when it
   loses the hash (eviction is a side effect of allocation, LRU by construction).
-- A block has a hash iff cached_block_hash_to_block maps that hash to it.
+- A block has a hash iff cached_block_hash_to_block maps that hash to it. The key is the
+  chain hash tagged with the block's KV-cache group (hash_with_group_id): each group's
+  layers hold their own pages of a prefix, so each group caches its own blocks of it.
 - The null block (block 0) is taken at start and never freed, cached, touched or queued.
 
 Listeners (optional, for the offload tiers and KV events): on_cached(pairs) hears of hashes
@@ -19,6 +21,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from paged_jax.core.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
+
+
+def hash_with_group_id(block_hash: bytes, kv_cache_group_id: int) -> bytes:
+    """The prefix-cache key of a block of group kv_cache_group_id (vLLM's BlockHashWithGroupId).
+
+    Group 0's key is the chain hash itself, so a one-group model (every model before groups)
+    keys, evicts and reports exactly the hashes it always did (the offload tiers, KV events and
+    the data-parallel router read them); group g > 0 appends g as 4 big-endian bytes.
+    """
+    return block_hash if kv_cache_group_id == 0 else block_hash + kv_cache_group_id.to_bytes(4, "big")
 
 
 class BlockHashToBlockMap:
@@ -122,20 +134,21 @@ class BlockPool:
     def num_blocks(self) -> int:
         return self.num_gpu_blocks
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        """The earliest-inserted block still cached under block_hash, or None."""
-        return self.cached_block_hash_to_block.get_one_block(block_hash)
+    def get_cached_block(self, block_hash: bytes, kv_cache_group_id: int = 0) -> KVCacheBlock | None:
+        """The earliest-inserted block of the group still cached under block_hash, or None."""
+        return self.cached_block_hash_to_block.get_one_block(hash_with_group_id(block_hash, kv_cache_group_id))
 
     def cache_full_blocks(self, request, blocks: list[KVCacheBlock], num_cached_blocks: int,
-                          num_full_blocks: int, block_size: int) -> None:
+                          num_full_blocks: int, block_size: int, kv_cache_group_id: int = 0) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under request.block_hashes.
 
         Args:
           request: supplies block_hashes (at least num_full_blocks of them).
-          blocks: the request's block table.
+          blocks: the request's block table in this group.
           num_cached_blocks: leading blocks already cached (prefix hits or earlier steps).
           num_full_blocks: leading blocks that are full after this step.
           block_size: tokens per block (the hashes must be for this size).
+          kv_cache_group_id: the group the blocks belong to (their keys are tagged with it).
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -152,7 +165,8 @@ class BlockPool:
             if block.is_null:
                 continue
             assert block.block_hash is None, f"caching block {block.block_id} twice: it already has a hash"
-            block_hash = block_hashes[i]
+            block_hash = block_hashes[i] if kv_cache_group_id == 0 else hash_with_group_id(block_hashes[i],
+                                                                                            kv_cache_group_id)
             block.block_hash = block_hash
             if new is not None and block_hash not in self.cached_block_hash_to_block:
                 new.append((block_hash, block.block_id))

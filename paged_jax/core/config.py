@@ -52,6 +52,34 @@ def make_buckets(max_value: int, min_value: int = 1) -> list[int]:
     return buckets
 
 
+# Attention types a KV-cache group can have, each with its single-type manager
+# (core/single_type_kv_cache_manager.py); a model's cache spec names its type.
+ATTENTION_TYPES = ("full_attention",)
+
+
+@dataclass(frozen=True)
+class KVCacheGroupSpec:
+    """One KV-cache group: layers whose caches have the same spec share one block table
+    (vLLM's KVCacheGroupSpec). The host never learns what a block holds, only how a group
+    of its type keeps blocks (a full-attention group keeps every one).
+
+    Attributes:
+      layer_ids: the model's layers in this group (empty in host-only configs that have no
+        model: then the group stands for every layer).
+      attention_type: one of ATTENTION_TYPES; picks the group's single-type manager.
+    """
+
+    layer_ids: tuple[int, ...] = ()
+    attention_type: str = "full_attention"
+
+    def __post_init__(self):
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ValueError(f"attention_type={self.attention_type!r} must be one of {ATTENTION_TYPES}")
+        if not isinstance(self.layer_ids, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layer_ids):
+            raise ValueError(f"layer_ids={self.layer_ids!r} must be a tuple of layer indices (ints >= 0)")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache as the host sees it (the device layout is the model's cache spec).
@@ -65,6 +93,9 @@ class CacheConfig:
       hash_seed: seeds the root of every hash chain (NONE_HASH); None: PYTHONHASHSEED if set,
         else random, so another tenant cannot predict our chains. Fix it to share chains
         across processes (a persistent tier, replicas routed by prefix).
+      kv_cache_groups: the model's layers by cache spec, one block table per group per
+        request, all drawn from the one pool (default: one full-attention group of every
+        layer, as every model had before groups).
     """
 
     block_size: int
@@ -73,6 +104,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     hash_algo: str = "sha256"
     hash_seed: int | str | None = None
+    kv_cache_groups: tuple[KVCacheGroupSpec, ...] = (KVCacheGroupSpec(),)
 
     def __post_init__(self):
         check_power_of_two("block_size", self.block_size)
@@ -84,6 +116,16 @@ class CacheConfig:
         if self.hash_seed is not None and (isinstance(self.hash_seed, bool)
                                            or not isinstance(self.hash_seed, (int, str))):
             raise ValueError(f"hash_seed={self.hash_seed!r} must be an int, a str or None")
+        groups = self.kv_cache_groups
+        if not isinstance(groups, tuple) or not groups or not all(isinstance(g, KVCacheGroupSpec) for g in groups):
+            raise ValueError(f"kv_cache_groups={groups!r} must be a non-empty tuple of KVCacheGroupSpec")
+        layer_ids = [i for g in groups for i in g.layer_ids]
+        if len(set(layer_ids)) != len(layer_ids):
+            raise ValueError(f"kv_cache_groups put a layer in two groups: {[g.layer_ids for g in groups]}")
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return len(self.kv_cache_groups)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -1,10 +1,12 @@
 """KVCacheManager: which blocks hold each request's tokens; prefix-cache lookups and stats.
 
-The scheduler's view of the KV cache (vLLM v1 names and semantics, one full-attention
-group). Per step a waiting request goes get_computed_blocks -> allocate_slots(hits) and a
-running one allocate_slots(num_new_tokens); a finished or preempted one goes to free().
-Running out of blocks is not an error: allocate_slots returns None and changes nothing,
-and the scheduler decides (wait, or preempt someone). Imports no jax.
+The scheduler's view of the KV cache (vLLM v1 names and semantics). Per step a waiting
+request goes get_computed_blocks -> allocate_slots(hits) and a running one
+allocate_slots(num_new_tokens); a finished or preempted one goes to free(). Running out of
+blocks is not an error: allocate_slots returns None and changes nothing, and the scheduler
+decides (wait, or preempt someone). Block tables are per KV-cache group (KVCacheBlocks holds
+one list per group): a KVCacheCoordinator keeps one single-type manager per group over the
+one BlockPool. Imports no jax.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from paged_jax.core.block_pool import BlockPool
+from paged_jax.core.block_pool import BlockPool, hash_with_group_id
 from paged_jax.core.config import CacheConfig
 from paged_jax.core.hashing import BlockHasher, get_hash_fn_by_name, make_none_hash
 from paged_jax.core.kv_cache_block import KVCacheBlock
+from paged_jax.core.kv_cache_coordinator import KVCacheCoordinator
 from paged_jax.core.request import Request
 
 
@@ -54,20 +57,35 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+@dataclass(frozen=True)
+class KVCacheBlocks:
+    """Blocks of one request, one list per KV-cache group in group order (vLLM's KVCacheBlocks):
+    what get_computed_blocks finds and allocate_slots hands out."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def __bool__(self) -> bool:
+        return any(self.blocks)
+
+
 class KVCacheManager:
-    """Block tables of all live requests over one BlockPool.
+    """Block tables of all live requests over one BlockPool, per KV-cache group.
 
     Args:
       config: the resolved CacheConfig (block_size, num_blocks incl. the null block 0,
-        max_model_len, enable_prefix_caching, hash_algo, hash_seed).
+        max_model_len, enable_prefix_caching, hash_algo, hash_seed, kv_cache_groups).
       offload: optional OffloadManager (core/offload.py): evicted blocks go down to its
-        tiers, lookups continue in them, swap_out() preempts into them.
+        tiers, lookups continue in them, swap_out() preempts into them (one group only).
       kv_events: optional KVEventLog: device-tier BlockStored / BlockRemoved.
 
-    State: req_to_blocks[request_id] is the request's block table (append-only while it
-    lives); num_cached_block[request_id] counts its leading blocks already in the cache.
-    The root of this manager's hash chains is its own (block_hasher.none_hash, from
-    config.hash_seed): two managers share prefixes only when they share the seed.
+    State: coordinator.managers[g].req_to_blocks[request_id] is the request's block table in
+    group g (append-only while it lives); num_cached_block beside it counts its leading
+    blocks already in the cache. The root of this manager's hash chains is its own
+    (block_hasher.none_hash, from config.hash_seed): two managers share prefixes only when
+    they share the seed.
     """
 
     def __init__(self, config: CacheConfig, offload=None, kv_events=None):
@@ -76,13 +94,21 @@ class KVCacheManager:
         self.max_model_len = config.max_model_len
         self.enable_caching = config.enable_prefix_caching
         self.block_pool = BlockPool(config.num_blocks, self.enable_caching)
+        self.coordinator = KVCacheCoordinator(config, self.block_pool)
+        self.num_kv_cache_groups = self.coordinator.num_groups
+        self._no_hits = ((),) * self.num_kv_cache_groups  # immutable: shared by every call
+        if offload is not None and self.num_kv_cache_groups > 1:
+            raise ValueError(f"the offload tiers keep one block table per request, but this model has "
+                             f"{self.num_kv_cache_groups} KV-cache groups; set offload_host_bytes=0")
         hash_fn = get_hash_fn_by_name(config.hash_algo)
         # Attached to every request this manager sees; with caching off it hashes nothing.
         self.block_hasher = BlockHasher(self.block_size, hash_fn, make_none_hash(hash_fn, config.hash_seed),
                                         enabled=self.enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached_block: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        # request_id -> (tokens looked up, device hit tokens, preempted) of its latest lookup,
+        # recorded when it is admitted (a request waiting at the head of the queue is looked
+        # up again every step, but counted once, as vLLM counts)
+        self._lookups: dict[str, tuple[int, int, bool]] = {}
         self.offload = offload
         self.kv_events = kv_events
         if offload is not None or kv_events is not None:
@@ -101,6 +127,10 @@ class KVCacheManager:
         if self.offload is not None:
             self.offload.on_blocks_evicted(pairs)
 
+    def empty_blocks(self) -> KVCacheBlocks:
+        """No blocks in any group (a lookup that found nothing)."""
+        return KVCacheBlocks(tuple([] for _ in range(self.num_kv_cache_groups)))
+
     # ------------------------------------------------------------------ admission
     def _check_prompt_len(self, request: Request) -> None:
         if request.num_prompt_tokens > self.max_model_len:
@@ -116,13 +146,15 @@ class KVCacheManager:
         self._check_prompt_len(request)
         # The last sampled token is never computed, so its slot is never needed.
         max_slots = min(request.num_prompt_tokens + request.max_tokens - 1, self.max_model_len)
-        need = -(-max_slots // self.block_size)
+        need = -(-max_slots // self.block_size) * self.num_kv_cache_groups
         usable = self.config.num_usable_blocks
         if need > usable:
             raise ValueError(
                 f"request {request.request_id!r} may need {need} KV blocks ({max_slots} tokens at block_size="
-                f"{self.block_size}) but the whole pool has {usable}; lower max_tokens, shorten the prompt or "
-                f"give the cache more blocks"
+                f"{self.block_size}"
+                f"{f' in each of {self.num_kv_cache_groups} KV-cache groups' if self.num_kv_cache_groups > 1 else ''}"
+                f") but the whole pool has {usable}; lower max_tokens, shorten the prompt or give the cache more "
+                f"blocks"
             )
 
     def _admit(self, request: Request) -> None:
@@ -144,51 +176,41 @@ class KVCacheManager:
         )
 
     # ------------------------------------------------------------------ lookup
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of request's full blocks; changes nothing but the stats.
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """Longest cached prefix of request's full blocks that every group accepts; changes
+        nothing (the prefix-cache stats count the lookup once the request is admitted:
+        allocate_slots).
 
-        Walks the request's block hashes from block 0 and stops at the first miss. Uses at
-        most (num_tokens - 1) // block_size blocks: the last token must be computed to
-        produce logits, so a fully cached prompt still recomputes its last block.
+        Uses at most (num_tokens - 1) // block_size blocks: the last token must be computed
+        to produce logits, so a fully cached prompt still recomputes its last block.
 
         With an offload manager the lookup continues past the last device hit in the host
         and disk tiers (and through a swapped-out request's own pages); those hits get new
         blocks in allocate_slots and their pages are copied up before the step.
 
         Returns:
-          (device hit blocks in order, number of hit tokens: len(blocks) * block_size, plus
-          the tokens found in the offload tiers).
+          (device hit blocks per group, number of hit tokens: blocks per group * block_size,
+          plus the tokens found in the offload tiers).
         """
         self._admit(request)
         num_tokens = request.num_tokens
         max_num_blocks = (num_tokens - 1) // self.block_size
-        blocks = []
-        if self.enable_caching:
-            blocks = self.block_pool.cached_block_hash_to_block.get_prefix_blocks(request.block_hashes,
-                                                                                  max_num_blocks)
-            self.prefix_cache_stats.record(num_tokens, len(blocks) * self.block_size, request.num_preemptions > 0)
+        if not self.enable_caching:
+            blocks = self.empty_blocks()
+        else:
+            blocks = KVCacheBlocks(self.coordinator.find_longest_cache_hit(request.block_hashes, max_num_blocks))
+            self._lookups[request.request_id] = (num_tokens, len(blocks.blocks[0]) * self.block_size,
+                                                 request.num_preemptions > 0)
+        num_hit_blocks = len(blocks.blocks[0])
         if self.offload is not None:
-            return blocks, self.offload.find(request, len(blocks), max_num_blocks if self.enable_caching else 0)
-        return blocks, len(blocks) * self.block_size
+            return blocks, self.offload.find(request, num_hit_blocks, max_num_blocks if self.enable_caching else 0)
+        return blocks, num_hit_blocks * self.block_size
 
     # ------------------------------------------------------------------ allocation
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: list[KVCacheBlock] = ()) -> int:
-        """Free blocks needed to hold num_tokens tokens of the request.
-
-        Hit blocks with ref_cnt 0 count as needed: touching them takes them out of the free
-        queue just like an allocation does.
-        """
-        num_required_blocks = -(-num_tokens // self.block_size)
-        num_held = len(self.req_to_blocks.get(request_id, ()))
-        num_new_blocks = num_required_blocks - len(new_computed_blocks) - num_held
-        num_evictable_computed = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-        return num_new_blocks + num_evictable_computed
-
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
-                       new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[KVCacheBlock] | None:
-        """Make room for num_new_tokens more tokens of request; all or nothing.
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+        """Make room for num_new_tokens more tokens of request in every group; all or nothing.
 
         Token layout of the request after this call:
 
@@ -209,8 +231,8 @@ class KVCacheManager:
           new_computed_blocks: blocks from get_computed_blocks, or None.
           num_lookahead_tokens: extra slots for speculative decoding (>= 0).
         Returns:
-          The newly allocated blocks (possibly []), or None when they do not fit, in which
-          case nothing changed.
+          The newly allocated blocks per group (possibly all empty), or None when they do
+          not fit, in which case nothing changed.
         """
         if request.block_hasher is not self.block_hasher:
             self._admit(request)
@@ -219,74 +241,59 @@ class KVCacheManager:
                 f"token counts must be >= 0, got num_new_tokens={num_new_tokens}, "
                 f"num_new_computed_tokens={num_new_computed_tokens}, num_lookahead_tokens={num_lookahead_tokens}"
             )
-        block_size = self.block_size
         request_id = request.request_id
-        req_blocks = self.req_to_blocks.get(request_id)
+        coordinator = self.coordinator
+        pool = self.block_pool
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if num_tokens_need_slot > self.max_model_len:
             num_tokens_need_slot = self.max_model_len
-        num_required_blocks = -(-num_tokens_need_slot // block_size)
-        pool = self.block_pool
-
-        if new_computed_blocks or req_blocks is None:
-            # first allocation of this request (or of its resumption after preemption)
-            if req_blocks is None:
-                self._admit(request)
-            new_computed_blocks = self._check_computed_blocks(request, req_blocks, new_computed_blocks)
-            num_blocks_to_allocate = self.get_num_blocks_to_allocate(
-                request_id, num_tokens_need_slot, new_computed_blocks)
-            if num_blocks_to_allocate > pool.free_block_queue.num_free_blocks:
-                if self.offload is not None:
-                    self.offload.on_allocation_failed(request_id)
-                return None
-            if req_blocks is None:
-                req_blocks = self.req_to_blocks[request_id] = []
-            if new_computed_blocks:
-                pool.touch(new_computed_blocks)
-                req_blocks.extend(new_computed_blocks)
-                self.num_cached_block[request_id] = len(new_computed_blocks)
-            num_new_blocks = num_required_blocks - len(req_blocks)
-            first_allocation = True
-        else:
-            first_allocation = False
-            # decode fast path: usually the last block still has room
-            num_new_blocks = num_required_blocks - len(req_blocks)
-            if num_new_blocks > pool.free_block_queue.num_free_blocks:
-                return None
-        if num_new_blocks > 0:
-            new_blocks = pool.get_new_blocks(num_new_blocks)
-            req_blocks.extend(new_blocks)
-        else:
-            new_blocks = []
+        first_allocation = not coordinator.has_request(request_id)
+        if first_allocation:  # of this request, or of its resumption after preemption
+            self._admit(request)
+        hits = self._check_computed_blocks(request, first_allocation, new_computed_blocks)
+        coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
+        if coordinator.get_num_blocks_to_allocate(request_id, num_tokens_need_slot,
+                                                  hits) > pool.free_block_queue.num_free_blocks:
+            if first_allocation and self.offload is not None:
+                self.offload.on_allocation_failed(request_id)
+            return None
+        if first_allocation:
+            for group_hits in hits:
+                if group_hits:
+                    pool.touch(group_hits)
+            coordinator.save_new_computed_blocks(request_id, hits)
+            lookup = self._lookups.pop(request_id, None)
+            if lookup is not None:
+                self.prefix_cache_stats.record(*lookup)
+        new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
 
         if self.enable_caching:
             # Lookahead slots hold unverified tokens: never cache them.
             num_tokens_to_cache = num_computed_tokens + num_new_tokens
             num_tokens = len(request.all_token_ids)
-            if num_tokens_to_cache > num_tokens:
-                num_tokens_to_cache = num_tokens
-            num_full_blocks = num_tokens_to_cache // block_size
-            num_cached_blocks = self.num_cached_block.get(request_id, 0)
-            if num_full_blocks > num_cached_blocks:
-                pool.cache_full_blocks(request, req_blocks, num_cached_blocks, num_full_blocks, block_size)
-                self.num_cached_block[request_id] = num_full_blocks
+            coordinator.cache_blocks(request, num_tokens_to_cache if num_tokens_to_cache < num_tokens else num_tokens)
         if first_allocation and self.offload is not None:
-            self.offload.on_allocated(request, req_blocks, len(new_computed_blocks))
-        return new_blocks
+            self.offload.on_allocated(request, coordinator.managers[0].req_to_blocks[request_id], len(hits[0]))
+        return KVCacheBlocks(new_blocks)
 
-    def _check_computed_blocks(self, request: Request, req_blocks, new_computed_blocks) -> list[KVCacheBlock]:
-        if new_computed_blocks is None:
-            return []
-        blocks = list(new_computed_blocks)
-        if blocks and not self.enable_caching:
-            raise ValueError("new_computed_blocks given but prefix caching is disabled; pass None")
-        if blocks and req_blocks:
-            raise ValueError(
-                f"request {request.request_id!r} already holds blocks; new_computed_blocks are only for a "
-                f"request's first allocation (after get_computed_blocks)"
-            )
-        return blocks
+    def _check_computed_blocks(self, request: Request, first_allocation: bool,
+                               new_computed_blocks: KVCacheBlocks | None) -> tuple:
+        """The hit blocks per group (empty for a request that holds a table already: the
+        decode fast path). ValueError for hits the manager cannot take."""
+        if new_computed_blocks is not None and new_computed_blocks:
+            if not self.enable_caching:
+                raise ValueError("new_computed_blocks given but prefix caching is disabled; pass None")
+            if not first_allocation:
+                raise ValueError(
+                    f"request {request.request_id!r} already holds blocks; new_computed_blocks are only for a "
+                    f"request's first allocation (after get_computed_blocks)"
+                )
+            if len(new_computed_blocks.blocks) != self.num_kv_cache_groups:
+                raise ValueError(f"new_computed_blocks has {len(new_computed_blocks.blocks)} groups, this manager "
+                                 f"{self.num_kv_cache_groups}; pass what its get_computed_blocks returned")
+            return tuple(list(group) for group in new_computed_blocks.blocks)
+        return self._no_hits
 
     # ------------------------------------------------------------------ release
     def free(self, request: Request) -> None:
@@ -296,14 +303,8 @@ class KVCacheManager:
         """
         if self.offload is not None:
             self.offload.release(request.request_id)
-        self._free_blocks(request)
-
-    def _free_blocks(self, request: Request) -> None:
-        request_id = request.request_id
-        req_blocks = self.req_to_blocks.pop(request_id, None)
-        self.num_cached_block.pop(request_id, None)
-        if req_blocks:
-            self.block_pool.free_blocks(req_blocks[::-1])
+        self._lookups.pop(request.request_id, None)
+        self.coordinator.free(request.request_id)
 
     def swap_out(self, request: Request) -> bool:
         """Preempts by swap: the request's written pages go to the host tier (copied down
@@ -311,10 +312,10 @@ class KVCacheManager:
         get_computed_blocks finds them again. False (nothing changed) when the host tier
         cannot hold them: the caller preempts by recompute instead."""
         assert self.offload is not None, "swap preemption needs an offload manager (EngineConfig checks it)"
-        blocks = self.req_to_blocks.get(request.request_id, [])
+        blocks = self.coordinator.managers[0].req_to_blocks.get(request.request_id, [])
         if not self.offload.swap_out(request, blocks, request.num_computed_tokens):
             return False
-        self._free_blocks(request)
+        self.coordinator.free(request.request_id)
         return True
 
     def take_step_copies(self):
@@ -336,12 +337,16 @@ class KVCacheManager:
         return True
 
     # ------------------------------------------------------------------ queries
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table as ids ([] for a request holding nothing)."""
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table in each group, as ids (all [] for a request holding nothing)."""
+        return tuple([b.block_id for b in blocks] for blocks in self.coordinator.get_blocks(request_id))
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        return list(self.req_to_blocks.get(request_id, ()))
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(list(blocks) for blocks in self.coordinator.get_blocks(request_id)))
+
+    def has_requests(self) -> bool:
+        """Whether any request holds blocks."""
+        return any(m.req_to_blocks for m in self.coordinator.managers)
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.free_block_queue.num_free_blocks
@@ -359,24 +364,33 @@ class KVCacheManager:
             block hashes.
         """
         holders: dict[int, int] = {}
-        for request_id, blocks in self.req_to_blocks.items():
-            ids = [b.block_id for b in blocks]
-            assert len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice: {ids}"
-            assert 0 not in ids, f"request {request_id!r} holds the null block"
-            for i in ids:
-                holders[i] = holders.get(i, 0) + 1
+        managers = self.coordinator.managers
+        for m in managers:
+            assert set(m.req_to_blocks) == set(managers[0].req_to_blocks), (
+                f"group {m.kv_cache_group_id} holds tables of other requests than group 0")
+            for request_id, blocks in m.req_to_blocks.items():
+                ids = [b.block_id for b in blocks if not b.is_null]
+                assert len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice: {ids}"
+                for i in ids:
+                    holders[i] = holders.get(i, 0) + 1
+        for i in holders:
+            assert i != 0, "a request holds the null block"
         self.block_pool.check_invariants(holders)
         if self.offload is not None:
             self.offload.check_invariants()
-        assert set(self.num_cached_block) <= set(self.req_to_blocks), "num_cached_block outlives a freed request"
-        for request_id, num_cached in self.num_cached_block.items():
-            blocks = self.req_to_blocks[request_id]
-            assert num_cached <= len(blocks), f"request {request_id!r} has more cached blocks than blocks"
-            for b in blocks[:num_cached]:
-                assert b.block_hash is not None, f"request {request_id!r}: counted-as-cached block {b.block_id} has no hash"
-            if requests is not None and request_id in requests:
-                hashes = requests[request_id].block_hashes
-                for i, b in enumerate(blocks[:num_cached]):
-                    assert b.block_hash == hashes[i], (
-                        f"request {request_id!r} block {i} (id {b.block_id}) is cached under another prefix's hash"
-                    )
+        for m in managers:
+            group = f" in group {m.kv_cache_group_id}" if len(managers) > 1 else ""
+            assert set(m.num_cached_block) <= set(m.req_to_blocks), "num_cached_block outlives a freed request"
+            for request_id, num_cached in m.num_cached_block.items():
+                blocks = m.req_to_blocks[request_id]
+                assert num_cached <= len(blocks), f"request {request_id!r} has more cached blocks than blocks{group}"
+                for b in blocks[:num_cached]:
+                    assert b.is_null or b.block_hash is not None, (
+                        f"request {request_id!r}: counted-as-cached block {b.block_id} has no hash{group}")
+                if requests is not None and request_id in requests:
+                    hashes = requests[request_id].block_hashes
+                    for i, b in enumerate(blocks[:num_cached]):
+                        assert b.is_null or b.block_hash == hash_with_group_id(hashes[i], m.kv_cache_group_id), (
+                            f"request {request_id!r} block {i} (id {b.block_id}) is cached under another prefix's "
+                            f"hash{group}"
+                        )

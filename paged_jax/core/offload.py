@@ -143,7 +143,8 @@ class OffloadManager:
         self._persists: list = []  # (hash, block_id): write to disk after this step
         self._persist_keys: set = set()
         self._drop_after_load: set = set()  # private swap keys consumed by this step's loads
-        self._found: dict[str, list] = {}  # request_id -> keys found (pinned) by its last lookup
+        # request_id -> (keys found and pinned, host hit tokens, disk hit tokens) of its last lookup
+        self._found: dict[str, tuple[list, int, int]] = {}
         self.swapped: dict[str, _SwapRecord] = {}
 
     # ------------------------------------------------------------------ block pool hooks
@@ -183,6 +184,7 @@ class OffloadManager:
         record = self.swapped.get(request.request_id)
         hashes = request.block_hashes
         keys, num_tokens, i = [], num_device_blocks * bs, num_device_blocks
+        host_tokens = disk_tokens = 0  # counted in the stats once the request is admitted
         while True:
             if record is not None and i < len(record.keys):
                 key, end = record.keys[i], min(record.num_tokens, (i + 1) * bs)
@@ -196,15 +198,15 @@ class OffloadManager:
             self.host.pin(key)
             keys.append(key)
             if tier == "host":
-                self.stats.host_hit_tokens += end - num_tokens
+                host_tokens += end - num_tokens
             else:
-                self.stats.disk_hit_tokens += end - num_tokens
+                disk_tokens += end - num_tokens
             num_tokens = end
             if end % bs:
                 break  # a swapped request's partial last block: nothing follows it
             i += 1
         if keys:
-            self._found[request.request_id] = keys
+            self._found[request.request_id] = keys, host_tokens, disk_tokens
         return num_tokens
 
     def _fetch(self, key) -> str | None:
@@ -225,7 +227,9 @@ class OffloadManager:
         """allocate_slots succeeded: plan the copy-up of the keys find() pinned into the
         blocks after the device hits, and close the request's swap record."""
         request_id = request.request_id
-        keys = self._found.pop(request_id, ())
+        keys, host_tokens, disk_tokens = self._found.pop(request_id, ((), 0, 0))
+        self.stats.host_hit_tokens += host_tokens
+        self.stats.disk_hit_tokens += disk_tokens
         for key, block in zip(keys, req_blocks[num_device_blocks:]):
             self._loads.append((key, block.block_id))  # stays pinned until loaded
         assert len(req_blocks) >= num_device_blocks + len(keys), "host hits without blocks to copy them into"
@@ -239,7 +243,8 @@ class OffloadManager:
         self._unpin_found(request_id)
 
     def _unpin_found(self, request_id: str) -> None:
-        for key in self._found.pop(request_id, ()):
+        keys, _, _ = self._found.pop(request_id, ((), 0, 0))
+        for key in keys:
             self.host.unpin(key)
 
     # ------------------------------------------------------------------ swap

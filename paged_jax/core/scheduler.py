@@ -41,8 +41,8 @@ class SchedulerOutput:
       num_computed_tokens: tokens already in the KV cache BEFORE this step.
       num_scheduled_tokens: tokens computed this step (positions computed .. computed + n - 1).
       samples: whether the step's last token yields a sampled next token.
-      new_block_ids: newly admitted / resumed (is_new): the whole block table; else the
-        blocks allocated this step (usually none).
+      new_block_ids: one list per KV-cache group: newly admitted / resumed (is_new): the
+        whole block table; else the blocks allocated this step (usually none).
       is_new: whether new_block_ids is a whole table (a fresh start for the request).
       preempted_req_ids: requests preempted in this step (they hold no blocks now).
       finished_req_ids: requests finished or aborted since the previous schedule().
@@ -52,7 +52,7 @@ class SchedulerOutput:
     num_computed_tokens: list[int] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     samples: list[bool] = field(default_factory=list)
-    new_block_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[tuple[list[int], ...]] = field(default_factory=list)
     is_new: list[bool] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
@@ -66,7 +66,7 @@ class SchedulerOutput:
     def req_ids(self) -> list[str]:
         return [r.request_id for r in self.requests]
 
-    def _add(self, request: Request, num_tokens: int, block_ids: list[int], is_new: bool) -> None:
+    def _add(self, request: Request, num_tokens: int, block_ids: tuple[list[int], ...], is_new: bool) -> None:
         self.requests.append(request)
         self.num_computed_tokens.append(request.num_computed_tokens)
         self.num_scheduled_tokens.append(num_tokens)
@@ -154,7 +154,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # the request preempted itself, and everything after it went first
-            out._add(request, num_new, [b.block_id for b in new_blocks], is_new=False)
+            out._add(request, num_new, new_blocks.get_block_ids(), is_new=False)
             budget -= num_new
             i += 1
 
@@ -176,7 +176,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:  # first schedule: the hit that saves time to first token
                 request.num_cached_tokens = num_hit_tokens
-            out._add(request, num_new, list(kv.get_block_ids(request.request_id)), is_new=True)
+            out._add(request, num_new, kv.get_block_ids(request.request_id), is_new=True)
             budget -= num_new
 
         for request, num_tokens in zip(out.requests, out.num_scheduled_tokens):

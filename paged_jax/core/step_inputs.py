@@ -3,11 +3,14 @@
 StepInputs bundles three NamedTuples (pytrees without importing jax) of fixed-shape numpy
 arrays, built only by batch.StepInputsBuilder:
 - ModelInputs: what the model's forward reads (tokens, positions, which rows to sample);
-- AttentionMetadata: what the attention backend reads (where to write K/V, which pages
-  each sequence owns, the ragged layout of the batch);
+- StepAttentionMetadata: what the attention backends read (where to write K/V, which pages
+  each sequence owns, the ragged layout of the batch), with one slot mapping and one block
+  table per KV-cache group; `for_group(g)` is the AttentionMetadata the layers of group g
+  hand their backend;
 - SamplingMetadata: what the sampler reads, per sequence.
 
-Shapes: T = token bucket, S = sequence bucket, W = CacheConfig.max_blocks_per_seq. Padding
+Shapes: T = token bucket, S = sequence bucket, W = CacheConfig.max_blocks_per_seq, G =
+CacheConfig.num_kv_cache_groups (1 for a model whose layers share one cache spec). Padding
 is 0 everywhere, so padded tokens write into and padded tables point at the null block 0.
 Imports no jax.
 """
@@ -26,11 +29,30 @@ class ModelInputs(NamedTuple):
 
 
 class AttentionMetadata(NamedTuple):
+    """One KV-cache group's view of the step: what an attention backend reads."""
+
     slot_mapping: np.ndarray  # i32[T]; slot = block_id * block_size + offset; padding -> 0 (null block)
     block_tables: np.ndarray  # i32[S, W]; padded entries and padded sequences -> 0 (null block)
     seq_lens: np.ndarray  # i32[S]; context length INCLUDING this step's tokens; 0 for padded seqs
     query_start_loc: np.ndarray  # i32[S + 1]; seq i owns tokens [qsl[i], qsl[i+1]); padded seqs repeat the end
     num_seqs: np.ndarray  # i32[1]; number of real sequences
+
+
+class StepAttentionMetadata(NamedTuple):
+    """AttentionMetadata of every KV-cache group at once: the group's own fields (where its
+    layers write, which of its pages each sequence owns) gain a leading group axis; the
+    batch's ragged layout is shared."""
+
+    slot_mapping: np.ndarray  # i32[G, T]; group g's slots, as AttentionMetadata.slot_mapping
+    block_tables: np.ndarray  # i32[G, S, W]; group g's tables, as AttentionMetadata.block_tables
+    seq_lens: np.ndarray  # i32[S]
+    query_start_loc: np.ndarray  # i32[S + 1]
+    num_seqs: np.ndarray  # i32[1]
+
+    def for_group(self, kv_cache_group_id: int) -> AttentionMetadata:
+        """What the layers of one group hand their backend (a static index: one slice)."""
+        return AttentionMetadata(self.slot_mapping[kv_cache_group_id], self.block_tables[kv_cache_group_id],
+                                 self.seq_lens, self.query_start_loc, self.num_seqs)
 
 
 class SamplingMetadata(NamedTuple):
@@ -44,7 +66,7 @@ class StepInputs(NamedTuple):
     """Everything one jitted step needs, and nothing else."""
 
     model: ModelInputs
-    attention: AttentionMetadata
+    attention: StepAttentionMetadata
     sampling: SamplingMetadata
 
     @property
