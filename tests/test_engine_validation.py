@@ -166,3 +166,13 @@ def test_sampling_params_replace_revalidates():
     # a frozen, validated dataclass: dataclasses.replace cannot sneak a bad value past __post_init__
     with pytest.raises(ValueError, match="temperature"):
         dataclasses.replace(greedy_params(4), temperature=-1.0)
+
+
+def test_config_names_the_attention_table_implementations():
+    """engine_config repeats the names (importing paged_jax.attention loads jax): they must agree."""
+    from paged_jax.attention.registry import ATTENTION_IMPLS
+    from paged_jax.engine_config import ATTENTION_IMPLS as CONFIG_IMPLS
+
+    assert CONFIG_IMPLS == ATTENTION_IMPLS
+    for impl in ATTENTION_IMPLS:
+        assert EngineConfig(attention_impl=impl).attention_impl == impl

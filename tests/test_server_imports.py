@@ -27,9 +27,10 @@ def test_http_side_modules_do_not_import_jax():
         "    __import__(name)\n"
         "    assert 'jax' not in sys.modules, f'importing {name} imported jax'\n"
         "from paged_jax.engine_config import EngineConfig\n"
-        "from paged_jax.cli import _engine_args, _parser\n"
+        "from paged_jax.cli import _parser\n"
+        "from paged_jax.engine_args import engine_config_kwargs\n"
         "args = _parser().parse_args(['serve', '--dtype', 'bfloat16', '--kv-cache-dtype', 'fp8'])\n"
-        "EngineConfig(args.model, **_engine_args(args))  # what `serve` builds before the engine process\n"
+        "EngineConfig(**engine_config_kwargs(args))  # what `serve` builds before the engine process\n"
         "assert 'jax' not in sys.modules, 'validating an EngineConfig imported jax'\n"
         "print('ok')\n"
     )
