@@ -75,8 +75,7 @@ class LLMEngine:
         if self.offload is not None and c.warm_up != "none":
             self.runner.warm_up_page_copies()
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
-        self.input_builder = StepInputsBuilder(self.cache_config, self.scheduler_config, seed=c.seed,
-                                               choose_shape=self.runner.choose_shape)
+        self.input_builder = StepInputsBuilder(self.cache_config, self.scheduler_config, seed=c.seed)
         # Generation stops on any of the model's EOS ids (Llama 3 instruct lists several).
         eos_ids = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
         self._eos_token_id = eos_ids[0] if eos_ids else None
@@ -87,9 +86,9 @@ class LLMEngine:
         if warm_up_progress is not None:
             total = len(self.runner.bucket_shapes())
             progress = lambda: warm_up_progress(self.runner.num_compiled_shapes, total)  # noqa: E731
+        # A multi-process run may warm up in the background too: step inputs depend on the batch
+        # alone, and there each step waits for its own bucket (ModelRunner.choose_shape).
         warm_up = c.warm_up
-        if warm_up == "background" and jax.process_count() > 1:
-            warm_up = "full"  # step shapes must not depend on timing (paged_jax/multiprocess.py)
         if warm_up == "full":
             self.runner.warm_up(progress)
         elif warm_up == "background":

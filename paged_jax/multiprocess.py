@@ -7,9 +7,11 @@ builder are deterministic functions of the requests and of the sampled tokens, a
 sampled tokens are replicated (every process reads the same ids back), so processes given
 the same requests in the same order build the same StepInputs every step, without a
 leader and without shipping inputs around. What would break that is kept out:
-- warm-up "background" pads a step to whichever bucket is compiled at that moment, which
-  depends on timing; with several processes the engine compiles every bucket up front
-  ("full") instead;
+- the padded step inputs depend on the batch alone, but which compiled program runs a step
+  could depend on timing (a single-process engine warming up in the background runs a step
+  in a larger compiled bucket while its own compiles); with several processes a step
+  always waits for its own bucket (ModelRunner.choose_shape), so warm-up may still run in
+  the background;
 - unseeded sampling draws from EngineConfig.seed, the same in every process;
 - the runner compares a digest of each step's inputs across processes before running it
   (multihost_utils.assert_equal), so a diverged process fails loudly instead of hanging

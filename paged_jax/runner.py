@@ -25,8 +25,12 @@ static slices.
 Compilation (`warm_up`, `start_warm_up`): a bucket's programs are compiled ahead of time,
 smallest bucket first; all buckets before serving (warm_up()), or the smallest one now and
 the rest on a background thread (start_warm_up()). In the second case the serving thread
-never compiles: `choose_shape` pads a step up to the smallest compiled bucket that fits,
-and a step with none waits for the warm-up thread to compile its bucket next. Either way
+never compiles: a step whose bucket is not compiled yet runs in the smallest compiled
+bucket that fits (`choose_shape`; its inputs padded further by pad_step_inputs, which
+changes no real row), and a step with none waits for the warm-up thread to compile its
+bucket next. The host's padding depends on the batch alone; only the program that runs it
+depends on timing, and in a multi-process run (where every process must run the same
+program) a step always waits for its own bucket. Either way
 at most one set of programs per bucket_shapes() entry is ever compiled, which
 `num_compilations` counts so a test can prove it.
 """
@@ -47,6 +51,7 @@ from jax.experimental import multihost_utils
 
 from models.kv_cache_spec import QuantizedAttentionSpec, check_kv_cache_groups, init_kv_caches, kv_cache_bytes_per_token
 from paged_jax.attention import bind_layer, make_attention_backend
+from paged_jax.core.batch import pad_step_inputs
 from paged_jax.core.config import CacheConfig, SchedulerConfig
 from paged_jax.core.kv_quant import check_key_offsets, check_scale
 from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
@@ -473,13 +478,14 @@ class ModelRunner:
             return self._programs[shape]
 
     def choose_shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """The padded (T, S) of a step of num_tokens tokens over num_seqs sequences: the
+        """The bucket (T, S) that runs a step of num_tokens tokens over num_seqs sequences: the
         smallest compiled bucket that fits (fewest tokens, then fewest sequences), else the
-        smallest bucket that fits (whose compilation the step will wait for)."""
+        smallest bucket that fits (whose compilation the step will wait for). Always the
+        smallest that fits in a multi-process run: every process must run the same program."""
         t = next(b for b in self.token_buckets if b >= num_tokens)
         s = next(b for b in self.seq_buckets if b >= num_seqs)
         with self._cond:
-            if (t, s) in self._programs:
+            if (t, s) in self._programs or jax.process_count() > 1:
                 return t, s
             fitting = [shape for shape in self._programs if shape[0] >= num_tokens and shape[1] >= num_seqs]
         return min(fitting) if fitting else (t, s)
@@ -499,8 +505,11 @@ class ModelRunner:
                 self.put_pages(copies.load_block_ids, copies.load())
         if inputs.num_seqs == 0:
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
-        embed, layers, head = self._programs_for((inputs.model.token_ids.shape[0],
-                                                  inputs.attention.block_tables.shape[1]))
+        shape = inputs.model.token_ids.shape[0], inputs.attention.seq_lens.shape[0]
+        run_shape = self.choose_shape(*shape)
+        if run_shape != shape:  # its own bucket is still compiling: a larger compiled one runs it
+            inputs = pad_step_inputs(inputs, *run_shape)
+        embed, layers, head = self._programs_for(run_shape)
         packed = pack_step_inputs(inputs)
         if self.mesh is None:
             packed = jax.device_put(packed)  # once: every program reads this copy

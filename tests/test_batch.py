@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from paged_jax.core.batch import StepInputsBuilder, build_step_inputs
+from paged_jax.core.batch import StepInputsBuilder, build_step_inputs, pad_step_inputs
 from paged_jax.core.config import CacheConfig, KVCacheGroupSpec, SchedulerConfig, make_buckets
 from paged_jax.core.request import Request, SamplingParams
 from paged_jax.core.scheduler import SchedulerOutput
@@ -124,6 +124,21 @@ def test_two_kv_cache_groups_get_their_own_tables_and_slots():
     np.testing.assert_array_equal(s2.attention.for_group(0).slot_mapping, [30, 27, 32, 33, 34, 35, 0, 0])
     np.testing.assert_array_equal(s2.attention.for_group(1).slot_mapping, [50, 71, 72, 73, 74, 75, 0, 0])
     np.testing.assert_array_equal(s2.attention.for_group(1).block_tables, [[11, 12, 0, 0], [16, 17, 18, 0]])
+
+
+def test_padding_further_is_what_a_larger_bucket_builds():
+    # The runner may run a step in a larger compiled bucket: pad_step_inputs must give what
+    # the builder itself gives when that bucket is the smallest one.
+    r0, r1, r2 = _hand_example()
+    entries = [(r0, 0, 6, [3, 7], True), (r1, 8, 1, [5, 2, 9], True), (r2, 4, 3, [4, 6], True)]
+    small = _builder().build(_output(entries))
+    large = _builder(token_buckets=(32, 32), seq_buckets=(8, 8)).build(_output(entries))
+    assert small.model.token_ids.shape == (16,) and large.model.token_ids.shape == (32,)
+    padded = pad_step_inputs(small, 32, 8)
+    for part_a, part_b in zip(padded, large):
+        for name, x, y in zip(part_a._fields, part_a, part_b):
+            assert x.dtype == y.dtype, name
+            np.testing.assert_array_equal(x, y, err_msg=name)
 
 
 def test_one_shot_matches_incremental():

@@ -226,6 +226,22 @@ def test_choose_shape_pads_up_to_a_compiled_bucket():
     assert runner.choose_shape(16, 8) == (16, 8) and runner.choose_shape(16, 9) == (16, 16)
 
 
+def test_a_step_runs_in_a_larger_compiled_bucket_unchanged():
+    """While its own bucket is not compiled, a step runs in the smallest compiled one that fits
+    (its inputs padded further): the same tokens and logprobs as in its own bucket."""
+    runner = make_runner(16, 16, 32)
+    tokens = np.random.default_rng(5).integers(0, 512, 12)
+    width = runner.cache_config.max_blocks_per_seq
+    small = hand_step_inputs([(tokens, [3], 0, 12), (tokens[:5], [6], 0, 5)], BLOCK_SIZE, width, 32, 8)
+    runner._programs_for((32, 16))  # only the larger bucket is compiled
+    assert runner.choose_shape(32, 8) == (32, 16)
+    big_ids, big_logprobs = runner.execute(small)
+    assert runner.num_compiled_shapes == 1, "the step compiled its own bucket instead of padding up"
+    own_ids, own_logprobs = make_runner(16, 16, 32).execute(small)
+    np.testing.assert_array_equal(big_ids[:2], own_ids[:2])
+    np.testing.assert_allclose(big_logprobs[:2], own_logprobs[:2], rtol=1e-6)
+
+
 def test_background_warm_up_never_compiles_on_the_serving_thread():
     """The smallest bucket compiles before the engine is ready, every other one on the warm-up
     thread, smallest first unless a step asks for its own, while requests run; what they

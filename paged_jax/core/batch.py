@@ -45,11 +45,7 @@ class StepInputsBuilder:
     Unseeded requests get a random seed once, kept across preemption until they finish.
     """
 
-    def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig, seed: int | None = None,
-                 choose_shape=None):
-        # (num_tokens, num_seqs) -> the padded (T, S) to build, >= both; None: the smallest
-        # buckets that fit. The runner passes one that prefers buckets already compiled.
-        self.choose_shape = choose_shape
+    def __init__(self, cache_config: CacheConfig, scheduler_config: SchedulerConfig, seed: int | None = None):
         self.block_size = cache_config.block_size
         self.max_blocks_per_seq = cache_config.max_blocks_per_seq
         self.num_groups = cache_config.num_kv_cache_groups
@@ -158,13 +154,10 @@ class StepInputsBuilder:
 
     def _assemble(self, rows, token_ids, num_computed, num_scheduled) -> StepInputs:
         num_seqs, num_tokens = len(rows), len(token_ids)
-        if self.choose_shape is not None:
-            t_pad, s_pad = self.choose_shape(num_tokens, num_seqs)
-            assert t_pad >= num_tokens and s_pad >= num_seqs, f"choose_shape gave {(t_pad, s_pad)} for " \
-                f"{num_tokens} tokens of {num_seqs} sequences"
-        else:
-            s_pad = _pick_bucket(self.seq_buckets, num_seqs, "sequences")
-            t_pad = _pick_bucket(self.token_buckets, num_tokens, "tokens")
+        # The padded shape is a function of the batch alone (never of what has been compiled):
+        # the same requests give the same inputs in every run and every process.
+        s_pad = _pick_bucket(self.seq_buckets, num_seqs, "sequences")
+        t_pad = _pick_bucket(self.token_buckets, num_tokens, "tokens")
         bs = self.block_size
         rows = np.asarray(rows, np.intp)
         computed = np.asarray(num_computed, np.int32)
@@ -214,6 +207,29 @@ class StepInputsBuilder:
                                   query_start_loc=query_start_loc, num_seqs=np.array([num_seqs], np.int32)),
             SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, rng_keys=rng_keys),
         )
+
+
+def pad_step_inputs(inputs: StepInputs, num_tokens: int, num_seqs: int) -> StepInputs:
+    """inputs padded further, to num_tokens tokens and num_seqs sequences, as the builder pads
+    (tokens write the null block; sequences are empty, greedy and read the null block): the
+    same step in a larger bucket, giving the same outputs for its real rows."""
+    t, s = inputs.model.token_ids.shape[0], inputs.attention.seq_lens.shape[0]
+    assert num_tokens >= t and num_seqs >= s, f"cannot pad a ({t}, {s}) step down to ({num_tokens}, {num_seqs})"
+
+    def pad(a, n, value=0, axis=0):
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, n - a.shape[axis])
+        return np.pad(a, widths, constant_values=value)
+
+    m, md, sp = inputs
+    query_start_loc = pad(md.query_start_loc, num_seqs + 1, md.query_start_loc[-1])
+    return StepInputs(
+        ModelInputs(pad(m.token_ids, num_tokens), pad(m.positions, num_tokens), pad(m.logits_indices, num_seqs)),
+        StepAttentionMetadata(pad(md.slot_mapping, num_tokens, axis=1), pad(md.block_tables, num_seqs, axis=1),
+                              pad(md.seq_lens, num_seqs), query_start_loc, md.num_seqs),
+        SamplingMetadata(pad(sp.temperature, num_seqs), pad(sp.top_k, num_seqs, -1), pad(sp.top_p, num_seqs, 1.0),
+                         pad(sp.rng_keys, num_seqs)),
+    )
 
 
 def build_step_inputs(scheduler_output, get_block_ids, cache_config: CacheConfig,
