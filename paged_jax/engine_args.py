@@ -26,6 +26,11 @@ from paged_jax.engine_config import CACHE, DEVICES, OFFLOAD, EngineConfig
 MIB = 1 << 20
 
 
+def _user_fields() -> list[dataclasses.Field]:
+    """EngineConfig's fields a caller sets (not those __post_init__ resolves, init=False)."""
+    return [field for field in dataclasses.fields(EngineConfig) if field.init]
+
+
 def _flag(field: dataclasses.Field) -> str:
     return field.metadata["flag"] or "--" + field.name.replace("_", "-")
 
@@ -59,7 +64,7 @@ def add_engine_args(parser: argparse.ArgumentParser, defaults: dict | None = Non
     defaults, default_help = defaults or {}, default_help or {}
     groups = {name: parser.add_argument_group(name) for name in (CACHE, OFFLOAD, DEVICES)}
     hints = typing.get_type_hints(EngineConfig)
-    for field in dataclasses.fields(EngineConfig):
+    for field in _user_fields():
         meta = field.metadata
         group = groups[meta["group"]]
         if meta["via"] is not None:
@@ -91,8 +96,7 @@ def add_engine_args(parser: argparse.ArgumentParser, defaults: dict | None = Non
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict:
     """EngineConfig's keyword arguments from flags parsed by a parser add_engine_args built."""
-    kwargs = {field.name: getattr(args, field.name) for field in dataclasses.fields(EngineConfig)
-              if field.metadata["via"] is None}
+    kwargs = {field.name: getattr(args, field.name) for field in _user_fields() if field.metadata["via"] is None}
     kwargs["offload_host_bytes"] = args.offload_host_mib * MIB
     if args.kv_calibration:
         kwargs.update(load_kv_calibration(args.kv_calibration, args.kv_cache_dtype, args.kv_cache_scaling))

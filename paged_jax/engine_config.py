@@ -131,6 +131,9 @@ class EngineConfig:
                                      "devices)", group=DEVICES)
     data_parallel_size: int = knob(1, "engine replicas, each on its own tensor_parallel_size devices, routed by "
                                    "cached prefix", group=DEVICES)
+    # resolved in __post_init__, not set by the caller: the offload tiers' config, built (and
+    # validated) once from the offload_* fields; None without a host tier.
+    offload_config: OffloadConfig | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # The same checks CacheConfig / SchedulerConfig make, here so a bad argument fails
@@ -192,8 +195,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be one of {PREEMPTION_MODES}")
         check_int("offload_host_bytes", self.offload_host_bytes, 0, "0 turns the host tier off")
         if self.offload_host_bytes:
-            OffloadConfig(self.offload_host_bytes, self.offload_dtype, self.offload_disk_dir,
-                          self.offload_disk_bytes)  # ValueError naming the field
+            object.__setattr__(self, "offload_config", OffloadConfig(  # ValueError naming the field
+                self.offload_host_bytes, self.offload_dtype, self.offload_disk_dir, self.offload_disk_bytes))
         elif self.preemption_mode == "swap" or self.offload_disk_dir is not None or self.offload_dtype is not None:
             raise ValueError("preemption_mode='swap', offload_dtype and offload_disk_dir need a host tier: set "
                              "offload_host_bytes to its byte budget")

@@ -16,7 +16,7 @@ from flax import nnx
 
 from paged_jax.core.disk_tier import DiskKVTier
 from paged_jax.core.hashing import get_hash_fn_by_name, make_none_hash
-from paged_jax.core.offload import OffloadConfig, OffloadManager
+from paged_jax.core.offload import OffloadManager
 from paged_jax.core.page_codec import PageCodec, PageLeaf
 
 # Elements sampled from each weight array for the fingerprint (evenly strided).
@@ -39,16 +39,14 @@ def build_offload_manager(config, cache_config, runner, model, kv_events=None) -
     """The OffloadManager an EngineConfig asks for (None when offload_host_bytes is 0).
 
     Args:
-      config: the EngineConfig (offload_host_bytes, offload_dtype, offload_disk_dir,
-        offload_disk_bytes, hash_algo, hash_seed).
+      config: the EngineConfig (its resolved `offload_config`, an OffloadConfig or None).
       cache_config: the resolved CacheConfig (block_size).
       runner: the ModelRunner whose caches the pages come from.
       model: the loaded model (fingerprinted for the disk tier).
     """
-    if not config.offload_host_bytes:
+    offload = config.offload_config
+    if offload is None:
         return None
-    offload = OffloadConfig(config.offload_host_bytes, config.offload_dtype, config.offload_disk_dir,
-                            config.offload_disk_bytes)
     codec = PageCodec([PageLeaf(shape, dtype) for shape, dtype in runner.page_leaves()], offload.storage_dtype)
     disk = None
     if offload.disk_dir is not None:

@@ -176,3 +176,20 @@ def test_config_names_the_attention_table_implementations():
     assert CONFIG_IMPLS == ATTENTION_IMPLS
     for impl in ATTENTION_IMPLS:
         assert EngineConfig(attention_impl=impl).attention_impl == impl
+
+
+def test_offload_config_is_resolved_once_from_the_offload_fields():
+    import pickle
+
+    from paged_jax.core.offload import OffloadConfig
+
+    assert EngineConfig().offload_config is None
+    config = EngineConfig(offload_host_bytes=1 << 20, offload_dtype="int8", offload_disk_dir="/tmp/tier", hash_seed=0,
+                          offload_disk_bytes=1 << 30)
+    assert config.offload_config == OffloadConfig(1 << 20, "int8", "/tmp/tier", 1 << 30)
+    assert dataclasses.replace(config, offload_host_bytes=2 << 20).offload_config.host_bytes == 2 << 20
+    assert pickle.loads(pickle.dumps(config)).offload_config == config.offload_config  # ProcessCore sends it
+    with pytest.raises(ValueError, match="offload_disk_bytes=0 must be"):
+        EngineConfig(offload_host_bytes=1 << 20, offload_disk_bytes=0)
+    with pytest.raises(TypeError):
+        EngineConfig(offload_config=OffloadConfig(1 << 20))  # resolved, not given
