@@ -58,22 +58,18 @@ class LLMEngine:
             model = load_model(c.model, dtype=c.dtype, seed=c.seed, place=place)
         self.model = model
         if self.mesh is not None:
-            check_tensor_parallel(self.model.config, c.tensor_parallel_size)
+            check_tensor_parallel(self.model, c.tensor_parallel_size)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(c.model)
         mc = self.model.config
         local_device = None if self.mesh is None else next(
             d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
         self.cache_config, self.scheduler_config = c.resolve(self.model, local_device)
-        self.runner = ModelRunner(self.model, self.cache_config, self.scheduler_config,
-                                  attention_impl=c.attention_impl, interpret=c.interpret, kv_cache_dtype=c.dtype,
-                                  layers_per_program=c.layers_per_program, kv_cache_quant=c.kv_cache_dtype,
-                                  kv_cache_scaling=c.kv_cache_scaling, kv_scales=c.kv_scales,
-                                  kv_key_offsets=c.kv_key_offsets, mesh=self.mesh)
+        self.runner = ModelRunner(self.model, self.cache_config, self.scheduler_config, c, mesh=self.mesh)
         self.kv_events = KVEventLog() if c.enable_kv_events else None
-        self.offload = build_offload_manager(c, self.cache_config, self.runner, self.model, self.kv_events)
+        self.offload = build_offload_manager(c, self.cache_config, self.runner.pool, self.model, self.kv_events)
         self.kv_cache_manager = KVCacheManager(self.cache_config, self.offload, self.kv_events)
         if self.offload is not None and c.warm_up != "none":
-            self.runner.warm_up_page_copies()
+            self.runner.pool.warm_up_page_copies()
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
         self.input_builder = StepInputsBuilder(self.cache_config, self.scheduler_config, seed=c.seed)
         # Generation stops on any of the model's EOS ids (Llama 3 instruct lists several).
@@ -85,7 +81,7 @@ class LLMEngine:
         progress = None
         if warm_up_progress is not None:
             total = len(self.runner.bucket_shapes())
-            progress = lambda: warm_up_progress(self.runner.num_compiled_shapes, total)  # noqa: E731
+            progress = lambda: warm_up_progress(self.runner.compiler.num_compiled_shapes, total)  # noqa: E731
         # A multi-process run may warm up in the background too: step inputs depend on the batch
         # alone, and there each step waits for its own bucket (ModelRunner.choose_shape).
         warm_up = c.warm_up
@@ -173,7 +169,7 @@ class LLMEngine:
         if self._shut_down:
             return
         self._shut_down = True
-        self.runner.stop_warm_up()
+        self.runner.stop()
         if self.offload is not None and self.offload.disk is not None:
             self.offload.disk.close()
 
@@ -222,12 +218,12 @@ class LLMEngine:
             "num_compilations": self.runner.num_compilations,
             "num_generated_tokens": self.num_generated_tokens,
             "num_blocks": self.cache_config.num_blocks,
-            "kv_cache_bytes": self.runner.kv_cache_bytes,
+            "kv_cache_bytes": self.runner.pool.kv_cache_bytes,
             "kv_cache_dtype": self.config.kv_cache_dtype,
-            "kv_cache_bytes_per_device": self.runner.kv_cache_bytes_per_device,
+            "kv_cache_bytes_per_device": self.runner.pool.kv_cache_bytes_per_device,
             "tensor_parallel_size": self.runner.tensor_parallel_size,
             # >1: tp exceeds the model's KV heads and each is held by this many devices.
-            "kv_head_replicas": self.runner.kv_head_replicas,
+            "kv_head_replicas": self.runner.pool.kv_head_replicas,
             "attention_impl": self.runner.attention_impl,
             "backend": jax.default_backend(),
             **self._offload_stats(),

@@ -218,7 +218,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                              f"{mc.max_position_embeddings}; lower it")
         from models.kv_cache_spec import kv_cache_group_specs
-        from paged_jax.runner import num_blocks_for_budget  # device-side: sizes the pool in bytes
+        from paged_jax.kv_pool import num_blocks_for_budget  # device-side: sizes the pool in bytes
 
         specs = model.kv_cache_specs(self.dtype, self.kv_cache_dtype, self.kv_cache_scaling)
         num_blocks = num_blocks_for_budget(

@@ -1,8 +1,8 @@
-"""Builds an engine's offload tiers from its config, its runner's pages and its model.
+"""Builds an engine's offload tiers from its config, its KV pool's pages and its model.
 
 The tiers' bookkeeping is host-side (paged_jax/core/offload.py, host_tier.py, disk_tier.py);
 this module only reads what they need from the device side: the page layout of the
-runner's caches (for the PageCodec) and a fingerprint of the model's weights (a disk
+pool's caches (for the PageCodec) and a fingerprint of the model's weights (a disk
 directory belongs to one model).
 """
 
@@ -35,23 +35,23 @@ def model_fingerprint(model) -> str:
     return digest.hexdigest()
 
 
-def build_offload_manager(config, cache_config, runner, model, kv_events=None) -> OffloadManager | None:
+def build_offload_manager(config, cache_config, pool, model, kv_events=None) -> OffloadManager | None:
     """The OffloadManager an EngineConfig asks for (None when offload_host_bytes is 0).
 
     Args:
       config: the EngineConfig (its resolved `offload_config`, an OffloadConfig or None).
       cache_config: the resolved CacheConfig (block_size).
-      runner: the ModelRunner whose caches the pages come from.
+      pool: the KVPool (paged_jax/kv_pool.py) whose caches the pages come from.
       model: the loaded model (fingerprinted for the disk tier).
     """
     offload = config.offload_config
     if offload is None:
         return None
-    codec = PageCodec([PageLeaf(shape, dtype) for shape, dtype in runner.page_leaves()], offload.storage_dtype)
+    codec = PageCodec([PageLeaf(shape, dtype) for shape, dtype in pool.page_leaves()], offload.storage_dtype)
     disk = None
     if offload.disk_dir is not None:
         hash_fn = get_hash_fn_by_name(cache_config.hash_algo)
-        offsets = runner.kv_key_offsets  # a quantized pool's keys are stored less these
+        offsets = pool.layer_inputs.get("key_offset")  # a quantized pool's keys are stored less these
         digest = None if offsets is None else hashlib.sha256(np.asarray(offsets).tobytes()).hexdigest()
         meta = {"model": model_fingerprint(model), "block_size": cache_config.block_size, **codec.describe(),
                 "kv_key_offsets": digest,

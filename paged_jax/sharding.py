@@ -64,9 +64,14 @@ def kv_head_replicas(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(1, tensor_parallel_size // num_kv_heads)
 
 
-def check_tensor_parallel(config, tensor_parallel_size: int) -> None:
-    """ValueError unless a Llama-family config splits evenly over tensor_parallel_size devices."""
-    tp, n, k = tensor_parallel_size, config.num_heads, config.num_kv_heads
+def check_tensor_parallel(model, tensor_parallel_size: int) -> None:
+    """ValueError unless the model's family has tensor-parallel rules and its heads and MLP
+    split evenly over tensor_parallel_size devices."""
+    tp, config = tensor_parallel_size, model.config
+    if not model.param_partition_rules:
+        raise ValueError(f"tensor_parallel_size={tp}: {type(model).__name__} has no tensor-parallel rules yet; "
+                         "use tensor_parallel_size=1")
+    n, k = config.num_heads, config.num_kv_heads
     if n % tp:
         raise ValueError(f"tensor_parallel_size={tp} must divide the model's {n} query heads; use a divisor of {n}")
     if (k % tp) if tp <= k else (tp % k):

@@ -110,7 +110,7 @@ def engine_step(steps: int, warmup: int, seed: int) -> dict[str, list[float]]:
 
     def fake_execute(inputs, copies=None):  # no offload tier: copies is always None
         # The jitted call's contract: i32[S] tokens and f32[S] logprobs on the host.
-        s = inputs.attention.block_tables.shape[0]
+        s = inputs.attention.seq_lens.shape[0]
         return rng.integers(3, vocab, s, dtype=np.int32), np.zeros(s, np.float32)
 
     engine.runner.execute = fake_execute

@@ -295,7 +295,8 @@ def speed(args) -> dict:
     from _bench_common import BENCH_MODEL
     from models.llama import LlamaConfig, LlamaForCausalLM
     from paged_jax.core.config import CacheConfig, SchedulerConfig
-    from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
+    from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
+    from paged_jax.engine_config import EngineConfig
     from paged_jax.runner import ModelRunner
     from flax import nnx
 
@@ -315,9 +316,10 @@ def speed(args) -> dict:
     inputs = StepInputs(
         ModelInputs(token_ids=rng.integers(0, config.vocab_size, s).astype(np.int32),
                     positions=np.full(s, ctx, np.int32), logits_indices=np.arange(s, dtype=np.int32)),
-        AttentionMetadata(slot_mapping=(tables[:, ctx // block_size] * block_size + ctx % block_size).astype(np.int32),
-                          block_tables=tables, seq_lens=np.full(s, ctx + 1, np.int32),
-                          query_start_loc=np.arange(s + 1, dtype=np.int32), num_seqs=np.array([s], np.int32)),
+        StepAttentionMetadata(  # one KV-cache group
+            slot_mapping=(tables[:, ctx // block_size] * block_size + ctx % block_size).astype(np.int32)[None],
+            block_tables=tables[None], seq_lens=np.full(s, ctx + 1, np.int32),
+            query_start_loc=np.arange(s + 1, dtype=np.int32), num_seqs=np.array([s], np.int32)),
         SamplingMetadata(temperature=np.zeros(s, np.float32), top_k=np.zeros(s, np.int32),
                          top_p=np.ones(s, np.float32), rng_keys=np.zeros((s, 2), np.uint32)))
     # a prefill step: --prefill-tokens tokens of one more sequence into pages of its own (the
@@ -328,16 +330,16 @@ def speed(args) -> dict:
     prefill = StepInputs(
         ModelInputs(token_ids=rng.integers(0, config.vocab_size, p).astype(np.int32),
                     positions=np.arange(p, dtype=np.int32), logits_indices=np.full(s, p - 1, np.int32)),
-        AttentionMetadata(slot_mapping=(prefill_table[0, np.arange(p) // block_size] * block_size
-                                        + np.arange(p) % block_size).astype(np.int32),
-                          block_tables=prefill_table, seq_lens=np.array([p] + [0] * (s - 1), np.int32),
-                          query_start_loc=np.array([0] + [p] * s, np.int32), num_seqs=np.array([1], np.int32)),
+        StepAttentionMetadata(slot_mapping=(prefill_table[0, np.arange(p) // block_size] * block_size
+                                            + np.arange(p) % block_size).astype(np.int32)[None],
+                              block_tables=prefill_table[None], seq_lens=np.array([p] + [0] * (s - 1), np.int32),
+                              query_start_loc=np.array([0] + [p] * s, np.int32), num_seqs=np.array([1], np.int32)),
         inputs.sampling)
     runners = {}
     for name in ("auto", *FORMATS):
         runner = ModelRunner(model, CacheConfig(block_size, num_blocks, max_model_len),
-                             SchedulerConfig(s, max(s, p), max_model_len), kv_cache_quant=name,
-                             attention_impl=args.impl)
+                             SchedulerConfig(s, max(s, p), max_model_len),
+                             EngineConfig(kv_cache_dtype=name, attention_impl=args.impl))
         keys = jax.random.split(jax.random.key(1), 4 * len(runner.kv_caches))
         caches = []
         for i, cache in enumerate(runner.kv_caches):  # random pages (and positive scales) everywhere

@@ -167,7 +167,7 @@ def measure(args, model_dir) -> dict:
                   f"{after['num_recomputed_tokens'] - before['num_recomputed_tokens']} tokens, "
                   f"revisit TTFT {1e3 * ttft:.1f} ms, hits {hits}", flush=True)
     compiled = {name: runner.engine.runner.num_compilations for name, runner in engines.items()}
-    memory_kind = engines["swap"].engine.runner.page_copy_memory_kind
+    memory_kind = engines["swap"].engine.runner.pool.page_copy_memory_kind
     disk = engines["disk"].engine.offload.disk
     disk.flush()
     disk.close()

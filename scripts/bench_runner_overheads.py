@@ -32,13 +32,13 @@ def main() -> None:
     import numpy as np
 
     from models.kv_cache_spec import FullAttentionSpec, init_kv_caches
-    from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
+    from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
     from paged_jax.runner import pack_step_inputs
 
     t, s, w = 512, 32, 128
     i32 = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
     inputs = StepInputs(ModelInputs(i32(t), i32(t), i32(s)),
-                        AttentionMetadata(i32(t), i32(s, w), i32(s), i32(s + 1), i32(1)),
+                        StepAttentionMetadata(i32(1, t), i32(1, s, w), i32(s), i32(s + 1), i32(1)),
                         SamplingMetadata(np.ones(s, np.float32), i32(s), np.ones(s, np.float32),
                                          np.zeros((s, 2), np.uint32)))
 

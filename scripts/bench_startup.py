@@ -81,7 +81,7 @@ def measure_start(model: str, name: str, cache_dir: str, warm_up: str, layers_pe
     llm.generate([[5, 6, 7, 8, 9, 10, 11, 12]], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     first_token = time.perf_counter()
     compiled_by_first_token = llm.engine.runner.num_compilations
-    llm.engine.runner.wait_warm_up()
+    llm.engine.runner.compiler.wait_warm_up()
     if warm_up == "none":
         llm.engine.runner.warm_up()
     done = time.perf_counter()
@@ -94,7 +94,7 @@ def _step_inputs(runner, q_lens, seq_lens, num_tokens, num_seqs):
     """StepInputs of sequences with the given query and context lengths on disjoint pages."""
     import numpy as np
 
-    from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
+    from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
 
     bs, width = runner.cache_config.block_size, runner.cache_config.max_blocks_per_seq
     n = len(q_lens)
@@ -121,8 +121,8 @@ def _step_inputs(runner, q_lens, seq_lens, num_tokens, num_seqs):
     return StepInputs(
         ModelInputs(token_ids=rng.integers(0, 500, num_tokens).astype(np.int32), positions=positions,
                     logits_indices=logits_indices),
-        AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=lens, query_start_loc=qsl,
-                          num_seqs=np.array([n], np.int32)),
+        StepAttentionMetadata(slot_mapping=slots[None], block_tables=tables[None], seq_lens=lens,
+                              query_start_loc=qsl, num_seqs=np.array([n], np.int32)),
         SamplingMetadata(temperature=np.zeros(num_seqs, np.float32), top_k=np.full(num_seqs, -1, np.int32),
                          top_p=np.ones(num_seqs, np.float32), rng_keys=np.zeros((num_seqs, 2), np.uint32)))
 
@@ -138,6 +138,7 @@ def measure_steps(reps: int, layers_per_program: int | None = None) -> dict:
     from models.kv_cache_spec import init_kv_caches
     from models.llama import PRESETS, LlamaForCausalLM
     from paged_jax.core.config import CacheConfig, SchedulerConfig
+    from paged_jax.engine_config import EngineConfig
     from paged_jax.runner import ModelRunner
     from paged_jax.sampler import sample
 
@@ -147,12 +148,13 @@ def measure_steps(reps: int, layers_per_program: int | None = None) -> dict:
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
     num_blocks = 1 + 32 * 40  # 32 sequences of up to 640 tokens
     runner = ModelRunner(model, CacheConfig(16, num_blocks, 2048), SchedulerConfig(32, 512, 2048),
-                         layers_per_program=layers_per_program)
+                         EngineConfig(layers_per_program=layers_per_program))
     graphdef, params = nnx.split(model)
     attention = runner.attention
 
     def unrolled_step(params, kv_caches, inputs):  # the step as it was: every layer in one program
-        logits, kv_caches = nnx.merge(graphdef, params)(inputs.model, kv_caches, inputs.attention, attention)
+        logits, kv_caches = nnx.merge(graphdef, params)(inputs.model, kv_caches, inputs.attention.for_group(0),
+                                                        attention)
         token_ids, logprobs = sample(logits, inputs.sampling)
         return token_ids, logprobs, kv_caches
 

@@ -111,13 +111,13 @@ def measure_tp(tps, prompts, params, reps, vocab_split_off_at=None):
     for name, llm in llms.items():
         runner = llm.engine.runner
         weights = bytes_per_device([runner.head_params, runner.layer_params])
-        blocks = KV_BUDGET_PER_DEVICE // (runner.kv_cache_bytes_per_device // runner.num_blocks)
+        blocks = KV_BUDGET_PER_DEVICE // (runner.pool.kv_cache_bytes_per_device // runner.pool.num_blocks)
         reference = tokens[f"tp={tps[0]}"]
         same = sum(a == b for a, b in zip(tokens[name], reference))
         rows[name] = {"identical_to_tp1": f"{same}/{len(reference)}", "tok_s": median(times[name]),
                       "tok_s_runs": times[name], "weight_mib_per_device": weights / 2**20,
-                      "kv_mib_per_device": runner.kv_cache_bytes_per_device / 2**20,
-                      "kv_head_replicas": runner.kv_head_replicas, "blocks_in_64_mib_per_device": int(blocks)}
+                      "kv_mib_per_device": runner.pool.kv_cache_bytes_per_device / 2**20,
+                      "kv_head_replicas": runner.pool.kv_head_replicas, "blocks_in_64_mib_per_device": int(blocks)}
     return rows
 
 
@@ -139,9 +139,9 @@ def measure_dp(prompts, params):
     return results
 
 
-def _fits(config, tp: int) -> bool:
+def _fits(model, tp: int) -> bool:
     try:
-        sharding.check_tensor_parallel(config, tp)
+        sharding.check_tensor_parallel(model, tp)
     except ValueError:
         return False
     return True
@@ -150,9 +150,10 @@ def _fits(config, tp: int) -> bool:
 def main() -> int:
     devices = jax.devices()
     llm0 = LLM(ARGS.model if not ARGS.quick else "tiny", **{**ENGINE, "warm_up": "none"})
-    config = llm0.engine.model.config
-    del llm0
-    tps = ARGS.tp or [1] + [t for t in range(len(devices), 1, -1) if _fits(config, t)][:1]
+    model = llm0.engine.model
+    config = model.config
+    tps = ARGS.tp or [1] + [t for t in range(len(devices), 1, -1) if _fits(model, t)][:1]
+    del llm0, model
     prompts, params = workload(config.vocab_size, ARGS.quick)
     reps = 2 if ARGS.quick else ARGS.reps
     tp_rows = measure_tp(tps, prompts, params, reps, vocab_split_off_at=max(tps) if max(tps) > 1 else None)

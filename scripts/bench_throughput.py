@@ -135,7 +135,7 @@ def jax_worker(model_dir: str, engine_args: dict, quick: bool) -> None:
     def handle(cmd):
         if cmd["cmd"] == "info":
             return {"load_and_warm_up_s": load_and_warm_up_s, "rss_mib": rss_mib(), "compiled_shapes": compiled,
-                    "num_blocks": engine.runner.num_blocks, "kv_cache_bytes": engine.runner.kv_cache_bytes,
+                    "num_blocks": engine.runner.pool.num_blocks, "kv_cache_bytes": engine.runner.pool.kv_cache_bytes,
                     "attention_impl": engine.runner.attention_impl}
         if cmd["cmd"] == "compute":
             return measure_compute(engine, quick=quick)

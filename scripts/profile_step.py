@@ -29,7 +29,7 @@ from _bench_common import bench_model_dir
 from models.llama import load_hf_checkpoint
 from paged_jax.attention import XlaAttention
 from paged_jax.core.config import CacheConfig, SchedulerConfig
-from paged_jax.core.step_inputs import AttentionMetadata, ModelInputs, SamplingMetadata, StepInputs
+from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
 from paged_jax.runner import ModelRunner
 
 
@@ -43,8 +43,8 @@ class KVWriteOnly(XlaAttention):
 
 def decode_inputs(runner: ModelRunner, num_seqs: int, context: tuple[int, int], rng) -> StepInputs:
     """One decode token per sequence; the last token of each context is this step's."""
-    t = next(b for b in runner.token_buckets if b >= num_seqs)
-    s = next(b for b in runner.seq_buckets if b >= num_seqs)
+    t = next(b for b in runner.compiler.token_buckets if b >= num_seqs)
+    s = next(b for b in runner.compiler.seq_buckets if b >= num_seqs)
     bs = runner.cache_config.block_size
     seq_lens = np.zeros(s, np.int32)
     seq_lens[:num_seqs] = rng.integers(*context, num_seqs)
@@ -54,9 +54,9 @@ def decode_inputs(runner: ModelRunner, num_seqs: int, context: tuple[int, int], 
         pages = -(-int(seq_lens[i]) // bs)
         tables[i, :pages] = np.arange(next_block, next_block + pages)
         next_block += pages
-    if next_block > runner.num_blocks:
+    if next_block > runner.pool.num_blocks:
         sys.exit(f"{num_seqs} sequences of {context} keys need {next_block} blocks; the pool has "
-                 f"{runner.num_blocks}")
+                 f"{runner.pool.num_blocks}")
     positions = np.zeros(t, np.int32)
     positions[:num_seqs] = seq_lens[:num_seqs] - 1
     slots = np.zeros(t, np.int32)
@@ -68,8 +68,8 @@ def decode_inputs(runner: ModelRunner, num_seqs: int, context: tuple[int, int], 
     return StepInputs(
         ModelInputs(token_ids=rng.integers(3, 32000, t).astype(np.int32), positions=positions,
                     logits_indices=logits_indices),
-        AttentionMetadata(slot_mapping=slots, block_tables=tables, seq_lens=seq_lens,
-                          query_start_loc=query_start_loc, num_seqs=np.array([num_seqs], np.int32)),
+        StepAttentionMetadata(slot_mapping=slots[None], block_tables=tables[None], seq_lens=seq_lens,
+                              query_start_loc=query_start_loc, num_seqs=np.array([num_seqs], np.int32)),
         SamplingMetadata(temperature=np.zeros(s, np.float32), top_k=np.full(s, -1, np.int32),
                          top_p=np.ones(s, np.float32), rng_keys=np.zeros((s, 2), np.uint32)))
 
@@ -120,7 +120,7 @@ def main() -> int:
     # The same step with attention replaced by the identity (the KV write stays): the rest of
     # the model.
     without_attention = ModelRunner(model, *geometry)
-    without_attention.attention = KVWriteOnly(without_attention.attention.spec)
+    without_attention.attention_backends = [KVWriteOnly(without_attention.attention.spec)]
     rest_ms = median_ms(without_attention, inputs)
     del without_attention
     step_ms = median_ms(runner, inputs)

@@ -85,7 +85,7 @@ def sharding_report(llm):
     runner = engine.runner
     layer = runner.layer_params[0]
     k_cache = runner.kv_caches[0][0]
-    layer_memory = runner.compiled_memory(*sorted(runner._programs)[0])["layer"]
+    layer_memory = runner.compiled_memory(*sorted(runner.compiler._programs)[0])["layer"]
     return {
         # The layer program's donated caches, per device: aliased, not copied.
         "layer_alias_bytes": int(layer_memory.alias_size_in_bytes),

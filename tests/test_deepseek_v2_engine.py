@@ -48,7 +48,7 @@ def test_greedy_equals_transformers_under_preemption_and_prefix_caching(tmp_path
     # 11 usable blocks of 8 = 88 slots for 4 running sequences of up to 68 tokens: preempts.
     llm = LLM(str(tmp_path), block_size=8, num_blocks=12, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=32, layers_per_program=1, warm_up="full")
-    assert llm.engine.runner.kv_cache_specs[0].kv_lora_rank == 32
+    assert llm.engine.runner.pool.specs[0].kv_lora_rank == 32
     assert len(llm.engine.runner._group_graphdefs) == 2, "a dense and a MoE layer program"
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
                                      for m in max_tokens], use_tqdm=False)
@@ -61,4 +61,4 @@ def test_greedy_equals_transformers_under_preemption_and_prefix_caching(tmp_path
     # updated in place. (This pool is tiny, so temporaries are not compared with it.)
     runner = llm.engine.runner
     for stats in runner.compiled_memory(*runner.bucket_shapes()[-1])["layers"]:
-        assert stats.alias_size_in_bytes == runner.kv_cache_bytes // 2
+        assert stats.alias_size_in_bytes == runner.pool.kv_cache_bytes // 2

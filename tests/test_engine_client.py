@@ -86,10 +86,10 @@ def test_shutdown_stops_the_warm_up_thread_and_is_idempotent():
     assert warm_up_threads() == before + 1, "the warm-up thread should still be compiling"
     engine.shutdown()
     assert warm_up_threads() == before
-    compiled = engine.runner.num_compiled_shapes
+    compiled = engine.runner.compiler.num_compiled_shapes
     assert compiled < total, "shutdown should drop the buckets not compiled yet"
     time.sleep(0.3)
-    assert engine.runner.num_compiled_shapes == compiled
+    assert engine.runner.compiler.num_compiled_shapes == compiled
     engine.shutdown()  # idempotent
     assert engine.get_stats()["num_compilations"] >= 1  # stats still read
     with pytest.raises(RuntimeError, match="shut down"):

@@ -120,4 +120,4 @@ def test_two_groups_generate_what_the_dense_model_does():
     assert tables_differ, "the two groups' tables never differed: the test would not see a mix-up"
     assert kv.prefix_cache_stats.hits > 0, "no prefix hit in either group"
     assert kv.get_num_free_blocks() == cache.num_usable_blocks
-    np.testing.assert_array_equal(runner.layer_kv_cache_group, [0, 1])
+    np.testing.assert_array_equal(runner.pool.layer_kv_cache_group, [0, 1])

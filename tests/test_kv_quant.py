@@ -110,7 +110,7 @@ def test_engine_config_rejects_bad_quantization_arguments():
 
 def test_runner_rejects_key_offsets_of_another_shape():
     """The model's shape is known once it is loaded: the runner names it."""
-    from paged_jax.runner import static_key_offsets
+    from paged_jax.kv_pool import static_key_offsets
 
     spec = attention_spec(2, 16, "float32", "fp8")
     assert static_key_offsets(spec, None, 3).shape == (3, 2, 16) and not np.any(static_key_offsets(spec, None, 3))

@@ -146,11 +146,11 @@ def test_quantized_pool_is_sized_and_donated_in_place():
     config = model.config
     num_blocks = 4097
     runner = ModelRunner(model, CacheConfig(BLOCK_SIZE, num_blocks, MAX_MODEL_LEN), SchedulerConfig(8, 16, MAX_MODEL_LEN),
-                         kv_cache_quant="fp8")
+                         EngineConfig(kv_cache_dtype="fp8"))
     per_token = config.num_kv_heads * (2 * config.head_dim * 1 + 2 * 4)  # fp8 pages + f32 scales
-    assert runner.kv_cache_bytes == config.num_layers * num_blocks * BLOCK_SIZE * per_token
+    assert runner.pool.kv_cache_bytes == config.num_layers * num_blocks * BLOCK_SIZE * per_token
     assert [a.dtype.name for a in runner.kv_caches[0]] == ["uint8"] * 2 + ["float32"] * 2
-    layer_cache_bytes = runner.kv_cache_bytes // config.num_layers
+    layer_cache_bytes = runner.pool.kv_cache_bytes // config.num_layers
     k = runner.layers_per_program
     (t, s), = runner.bucket_shapes()
     layer = runner.compiled_memory(t, s)["layer"]

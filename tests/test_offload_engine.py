@@ -113,7 +113,7 @@ def device_pages(engine, hashes):
     pool = engine.kv_cache_manager.block_pool
     blocks = [pool.get_cached_block(h) for h in hashes]
     assert None not in blocks, "a block expected on the device is not cached there"
-    return engine.runner.gather_pages(np.array([b.block_id for b in blocks]))
+    return engine.runner.pool.gather_pages(np.array([b.block_id for b in blocks]))
 
 
 @pytest.mark.parametrize("storage", [None, "int8", "fp8"])
@@ -169,7 +169,7 @@ def test_quantized_pool_pages_and_scales_come_back_bit_identical(storage):
     """offload_dtype quantizes float leaves only: an int8 pool's pages and f32 scales [16, 2]
     are stored as they are whatever it says."""
     engine = offload_engine(kv_cache_dtype="int8", offload_host_bytes=64 * QUANT_BLOCK_BYTES, offload_dtype=storage)
-    assert [dtype for _, dtype in engine.runner.page_leaves()] == ["int8", "int8", "float32", "float32"] * 2
+    assert [dtype for _, dtype in engine.runner.pool.page_leaves()] == ["int8", "int8", "float32", "float32"] * 2
     assert engine.offload.codec.nbytes == QUANT_BLOCK_BYTES
     rng = np.random.default_rng(11)
     prompt = rng.integers(0, 512, 100).tolist()  # 6 full blocks
@@ -206,7 +206,7 @@ def test_mla_latent_pool_with_heavy_preemption_matches_it_without_offload(mode):
     model, reference = mla_reference()
     assert reference != dense, "the MLA model's outputs equal the tiny llama's: the wrong model was loaded"
     engine = offload_engine(model, preemption_mode=mode, offload_host_bytes=64 * MLA_BLOCK_BYTES)
-    assert engine.runner.kv_cache_specs[0].kv_lora_rank == 32
+    assert engine.runner.pool.specs[0].kv_lora_rank == 32
     assert engine.offload.codec.nbytes == MLA_BLOCK_BYTES
     assert generate(engine, prompts, max_tokens) == reference
     assert_offload_worked(engine, mode)
@@ -271,22 +271,22 @@ def test_page_copies_round_trip_and_update_in_place(monkeypatch, memory):
     """Both transfer paths: through jax's pinned host memory kind (the CPU backend has one,
     as GPUs do) and through plain numpy arrays (backends without it)."""
     if memory == "numpy":
-        monkeypatch.setattr("paged_jax.runner.ModelRunner._pinned_page_shardings", lambda self: None)
+        monkeypatch.setattr("paged_jax.kv_pool.KVPool._pinned_page_shardings", lambda self: None)
     engine = offload_engine(offload_host_bytes=4 * BLOCK_BYTES, num_blocks=24)
     runner = engine.runner
     rng = np.random.default_rng(0)
     ids = rng.permutation(np.arange(1, 24))[:19]
-    pages = [rng.normal(size=(19, *shape)).astype(dtype) for shape, dtype in runner.page_leaves()]
-    monkeypatch.setattr("paged_jax.runner.MAX_PAGE_COPY", 8)  # 19 blocks: chunks of 8 + 8 + 3
-    runner.put_pages(ids, pages)
+    pages = [rng.normal(size=(19, *shape)).astype(dtype) for shape, dtype in runner.pool.page_leaves()]
+    monkeypatch.setattr("paged_jax.kv_pool.MAX_PAGE_COPY", 8)  # 19 blocks: chunks of 8 + 8 + 3
+    runner.pool.put_pages(ids, pages)
     order = rng.permutation(19)
-    got = runner.gather_pages(ids[order])
+    got = runner.pool.gather_pages(ids[order])
     for page, back in zip(pages, got):
         np.testing.assert_array_equal(back, page[order])
-    assert runner.page_copy_memory_kind == memory
-    put = runner._page_programs_for(8)[1].memory_analysis()
-    assert put.alias_size_in_bytes == runner.kv_cache_bytes, "the page scatter did not update the caches in place"
-    assert put.temp_size_in_bytes < runner.kv_cache_bytes / 4
+    assert runner.pool.page_copy_memory_kind == memory
+    put = runner.pool._page_programs_for(8)[1].memory_analysis()
+    assert put.alias_size_in_bytes == runner.pool.kv_cache_bytes, "the page scatter did not update the caches in place"
+    assert put.temp_size_in_bytes < runner.pool.kv_cache_bytes / 4
 
 
 def test_offload_arguments_are_checked():

@@ -26,8 +26,9 @@ from paged_jax import SamplingParams
 from paged_jax.engine import LLMEngine
 from paged_jax.engine_config import EngineConfig
 from paged_jax.core.config import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, CacheConfig, SchedulerConfig
-from paged_jax.runner import (CPU_KV_CACHE_BYTES, ModelRunner, num_blocks_for_budget, pack_step_inputs,
-                              stop_background_work, unpack_step_inputs)
+from paged_jax.compile_manager import stop_background_work
+from paged_jax.kv_pool import CPU_KV_CACHE_BYTES, num_blocks_for_budget
+from paged_jax.runner import ModelRunner, pack_step_inputs, unpack_step_inputs
 from paged_jax.runner import _default_layers_per_program as layers_per_program
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -50,7 +51,7 @@ def backend_compiles():
 
 def make_runner(num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len=MAX_MODEL_LEN, **kwargs):
     return ModelRunner(model(), CacheConfig(BLOCK_SIZE, num_blocks, max_model_len),
-                       SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), **kwargs)
+                       SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), EngineConfig(**kwargs))
 
 
 def _smallest_at_least(buckets, n):
@@ -63,18 +64,18 @@ def test_bucket_shapes_cover_every_reachable_step(max_num_seqs, max_num_batched_
     runner = make_runner(2, max_num_seqs, max_num_batched_tokens)
     shapes = runner.bucket_shapes()
     assert len(set(shapes)) == len(shapes)
-    assert runner.token_buckets[-1] == max_num_batched_tokens and runner.seq_buckets[-1] == max_num_seqs
-    assert runner.token_buckets[0] == min(MIN_TOKEN_BUCKET, max_num_batched_tokens)
+    assert runner.compiler.token_buckets[-1] == max_num_batched_tokens and runner.compiler.seq_buckets[-1] == max_num_seqs
+    assert runner.compiler.token_buckets[0] == min(MIN_TOKEN_BUCKET, max_num_batched_tokens)
     # every step the scheduler can produce: t tokens over 1..min(t, max_num_seqs) sequences
     reachable = {
-        (_smallest_at_least(runner.token_buckets, t), _smallest_at_least(runner.seq_buckets, s))
+        (_smallest_at_least(runner.compiler.token_buckets, t), _smallest_at_least(runner.compiler.seq_buckets, s))
         for t in range(1, max_num_batched_tokens + 1)
         for s in range(1, min(t, max_num_seqs) + 1)
     }
     assert reachable == set(shapes), "warm-up compiles a shape no step uses, or misses one a step needs"
     assert runner.num_compilations == 0  # nothing compiles before warm_up or a step
     if max_num_seqs >= MIN_SEQ_BUCKET:
-        assert runner.seq_buckets[0] == MIN_SEQ_BUCKET
+        assert runner.compiler.seq_buckets[0] == MIN_SEQ_BUCKET
 
 
 def test_warm_up_compiled_each_bucket_once(backend_compiles):
@@ -131,7 +132,7 @@ def test_donated_caches_update_in_place():
     buffer. The embed and head programs never see a cache. A copy of the layer program
     without donation shows what a copy looks like (so the check can fail)."""
     runner = make_runner(4097, 8, 64)
-    cache_bytes = runner.kv_cache_bytes
+    cache_bytes = runner.pool.kv_cache_bytes
     config = model().config
     assert cache_bytes == 2 * config.num_layers * 4097 * BLOCK_SIZE * config.num_kv_heads * config.head_dim * 4
     layer_cache_bytes = cache_bytes // config.num_layers
@@ -213,17 +214,17 @@ def test_choose_shape_pads_up_to_a_compiled_bucket():
     runner = make_runner(2, 16, 32)
     assert runner.bucket_shapes() == [(16, 8), (16, 16), (32, 8), (32, 16)]
     # nothing compiled: the smallest bucket that fits (the step then waits for it)
-    assert runner.choose_shape(3, 2) == (16, 8)
-    assert runner.choose_shape(17, 9) == (32, 16)
-    runner._programs[(32, 16)] = None  # stands for compiled programs: choose_shape only looks at the keys
-    assert runner.choose_shape(3, 2) == (32, 16)  # the only compiled bucket that fits
-    assert runner.choose_shape(17, 9) == (32, 16)
-    runner._programs[(16, 16)] = None
-    assert runner.choose_shape(3, 2) == (16, 16)  # fewest tokens first
-    assert runner.choose_shape(17, 2) == (32, 16)
-    runner._programs[(16, 8)] = None
-    assert runner.choose_shape(3, 2) == (16, 8)
-    assert runner.choose_shape(16, 8) == (16, 8) and runner.choose_shape(16, 9) == (16, 16)
+    assert runner.compiler.choose_shape(3, 2) == (16, 8)
+    assert runner.compiler.choose_shape(17, 9) == (32, 16)
+    runner.compiler._programs[(32, 16)] = None  # stands for compiled programs: choose_shape only looks at the keys
+    assert runner.compiler.choose_shape(3, 2) == (32, 16)  # the only compiled bucket that fits
+    assert runner.compiler.choose_shape(17, 9) == (32, 16)
+    runner.compiler._programs[(16, 16)] = None
+    assert runner.compiler.choose_shape(3, 2) == (16, 16)  # fewest tokens first
+    assert runner.compiler.choose_shape(17, 2) == (32, 16)
+    runner.compiler._programs[(16, 8)] = None
+    assert runner.compiler.choose_shape(3, 2) == (16, 8)
+    assert runner.compiler.choose_shape(16, 8) == (16, 8) and runner.compiler.choose_shape(16, 9) == (16, 16)
 
 
 def test_a_step_runs_in_a_larger_compiled_bucket_unchanged():
@@ -234,9 +235,9 @@ def test_a_step_runs_in_a_larger_compiled_bucket_unchanged():
     width = runner.cache_config.max_blocks_per_seq
     small = hand_step_inputs([(tokens, [3], 0, 12), (tokens[:5], [6], 0, 5)], BLOCK_SIZE, width, 32, 8)
     runner._programs_for((32, 16))  # only the larger bucket is compiled
-    assert runner.choose_shape(32, 8) == (32, 16)
+    assert runner.compiler.choose_shape(32, 8) == (32, 16)
     big_ids, big_logprobs = runner.execute(small)
-    assert runner.num_compiled_shapes == 1, "the step compiled its own bucket instead of padding up"
+    assert runner.compiler.num_compiled_shapes == 1, "the step compiled its own bucket instead of padding up"
     own_ids, own_logprobs = make_runner(16, 16, 32).execute(small)
     np.testing.assert_array_equal(big_ids[:2], own_ids[:2])
     np.testing.assert_allclose(big_logprobs[:2], own_logprobs[:2], rtol=1e-6)
@@ -252,13 +253,13 @@ def test_background_warm_up_never_compiles_on_the_serving_thread():
     engine = LLMEngine(config, model=base.model, tokenizer=base.tokenizer)
     runner = engine.runner
     assert runner.num_compilations == 0
-    compiled_on, compile_shape = [], runner._compile
+    compiled_on, compile_shape = [], runner.compiler._compile_fn
 
     def recording_compile(num_tokens, num_seqs):
         compiled_on.append((threading.current_thread(), (num_tokens, num_seqs)))
         return compile_shape(num_tokens, num_seqs)
 
-    runner._compile = recording_compile
+    runner.compiler._compile_fn = recording_compile
     runner.start_warm_up()
     assert compiled_on == [(threading.main_thread(), (16, 8))] and runner.num_compilations == 1
 
@@ -268,7 +269,7 @@ def test_background_warm_up_never_compiles_on_the_serving_thread():
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
         engine.add_request(f"bg-{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     finished = run_to_completion(engine)
-    runner.wait_warm_up()
+    runner.compiler.wait_warm_up()
 
     shapes = runner.bucket_shapes()
     assert sorted(shape for _, shape in compiled_on) == sorted(shapes)  # each bucket once
@@ -287,7 +288,7 @@ def test_grouped_layer_programs_match_the_model(num_layers, per_program):
     config = dataclasses.replace(model().config, num_layers=num_layers)
     llama = LlamaForCausalLM(config, rngs=nnx.Rngs(3))
     runner = ModelRunner(llama, CacheConfig(BLOCK_SIZE, 9, 64), SchedulerConfig(8, 16, 64),
-                         layers_per_program=per_program)
+                         EngineConfig(layers_per_program=per_program))
     assert runner.layers_per_program == {3: 3, 7: 1, 4: 4}[num_layers]
     caches = init_kv_caches(llama.kv_cache_specs(), 9, BLOCK_SIZE)
     reference = jax.jit(lambda inputs, caches: llama(inputs.model, caches, inputs.attention.for_group(0), runner.attention))
@@ -304,7 +305,7 @@ def test_grouped_layer_programs_match_the_model(num_layers, per_program):
 
 def test_layers_per_program_must_divide_the_layers():
     with pytest.raises(ValueError, match="layers_per_program=3 must divide the model's 2 layers"):
-        ModelRunner(model(), CacheConfig(BLOCK_SIZE, 9, 64), SchedulerConfig(8, 16, 64), layers_per_program=3)
+        ModelRunner(model(), CacheConfig(BLOCK_SIZE, 9, 64), SchedulerConfig(8, 16, 64), EngineConfig(layers_per_program=3))
 
 
 def test_packed_step_inputs_round_trip_bit_for_bit():

@@ -16,10 +16,14 @@ import sys
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from flax import nnx
+
+from models.deepseek_v2 import PRESETS as DEEPSEEK_PRESETS
+from models.deepseek_v2 import DeepseekV2ForCausalLM
 from models.llama import LlamaConfig, LlamaForCausalLM
 from models.kv_cache_spec import FullAttentionSpec
 from paged_jax.engine_config import EngineConfig
-from paged_jax.runner import num_blocks_for_budget
+from paged_jax.kv_pool import num_blocks_for_budget
 from paged_jax.sharding import TP_AXIS, check_tensor_parallel, kv_head_replicas, make_mesh, param_partition_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,15 +106,21 @@ def test_dp_outputs_equal_dp1_and_shared_prefixes_share_a_replica(multi_device):
 
 # no devices needed
 def test_check_tensor_parallel_names_the_fix():
-    config = LlamaConfig.from_preset("tiny")  # 4 query heads, 2 KV heads, MLP 128
+    tiny = LlamaForCausalLM(LlamaConfig.from_preset("tiny"), rngs=nnx.Rngs(0))  # 4 query heads, 2 KV heads, MLP 128
     for tp in (1, 2, 4):
-        check_tensor_parallel(config, tp)
+        check_tensor_parallel(tiny, tp)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the model's 4 query heads"):
-        check_tensor_parallel(config, 3)
-    odd = LlamaConfig.from_preset("tiny", num_heads=6, num_kv_heads=3, intermediate_size=96)
+        check_tensor_parallel(tiny, 3)
+    odd = LlamaForCausalLM(LlamaConfig.from_preset("tiny", num_heads=6, num_kv_heads=3, intermediate_size=96),
+                           rngs=nnx.Rngs(0))
     check_tensor_parallel(odd, 3)
     with pytest.raises(ValueError, match="divide the model's 3 KV heads or be a multiple"):
         check_tensor_parallel(odd, 2)
+    # A family without rules (DeepSeek-V2: no sharded latent pool yet) is refused by name,
+    # before its config (no num_kv_heads) is read.
+    deepseek = DeepseekV2ForCausalLM(DEEPSEEK_PRESETS["tiny-mla"], rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM has no tensor-parallel rules"):
+        check_tensor_parallel(deepseek, 2)
     assert [kv_head_replicas(2, tp) for tp in (1, 2, 4, 8)] == [1, 1, 2, 4]
 
 
