@@ -35,7 +35,7 @@ def open_gguf(reader_or_path):
 @lru_cache(maxsize=2)
 def _read(path: str, size: int, mtime_ns: int):
     """One GGUFReader per file version (size and mtime are part of the key), shared by the
-    model and its tokenizer: the reader parses every metadata field in Python on open (1.6 s
+    model and its tokenizer: the reader parses every metadata field in Python on open (seconds
     for SmolLM2's 49k-token vocabulary and merges), and an LLM reads the file twice."""
     import gguf
 

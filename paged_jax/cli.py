@@ -188,8 +188,8 @@ def _progress(console: Console, show: bool = True) -> Progress:
 def generate(args, params, prompts: list[str], console: Console) -> int:
     if args.max_num_seqs is None:
         # No step of this run holds more sequences than it has prompts: fewer sequence buckets
-        # to compile, and on the CPU a pool for that many (one question: 188 MiB for SmolLM2,
-        # not the 4 GiB of 64 sequences).
+        # to compile, and on the CPU a pool for that many (one question's pool, not 64
+        # full-length sequences').
         args.max_num_seqs = min(len(prompts), 64)
     # One bar over the buckets, from loading until generation ends: in background warm-up the
     # buckets keep compiling while the prompts run (generate's own bar would be a second

@@ -18,9 +18,9 @@ MoE layers (i >= first_k_dense_replace): softmax router in float32, top-k expert
 Routed experts run densely by default (MOE_IMPL): every expert on every token, the
 unchosen ones weighted exactly 0, as three flat matmuls over [D, E * F]. The grouped
 alternative (tokens sorted by expert, jax.lax.ragged_dot) computes only the chosen experts
-but measured 2.9x (16 tokens) and 4.9x (128 tokens) slower on CPU with DeepSeek-V2-Lite's 64
-experts / top-6 (scripts/bench_mla.py); it is kept, tested equal, for accelerators where
-ragged_dot is a grouped GEMM (not measured here).
+but measured several times slower on CPU with DeepSeek-V2-Lite's 64 experts / top-6
+(scripts/bench_mla.py); it is kept, tested equal, for accelerators where ragged_dot is a
+grouped GEMM (not measured here).
 
 Einsum legend: T tokens, D hidden, N heads, P qk_nope_head_dim, R qk_rope_head_dim,
 H P + R, L kv_lora_rank, Q q_lora_rank, V v_head_dim, E experts, F MLP hidden, S keys.
@@ -168,7 +168,7 @@ class MoE(nnx.Module):
         self.config = c
         self.gate = nnx.Param(jax.random.normal(rngs.params(), (d, e), jnp.float32))  # [D, E], float32 always
         # Gate and up are [D, E, F], so the dense path is one [T, D] x [D, E * F] matmul each
-        # (a batched 'TD,EDF' einsum measured 2x slower on CPU); down is [E, F, D].
+        # (a batched 'TD,EDF' einsum measured slower on CPU); down is [E, F, D].
         self.experts_gate = normal_param(rngs, (d, e, f), d, pd)  # [D, E, F]
         self.experts_up = normal_param(rngs, (d, e, f), d, pd)  # [D, E, F]
         self.experts_down = normal_param(rngs, (e, f, d), f, pd)  # [E, F, D]

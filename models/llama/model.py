@@ -15,7 +15,7 @@ model's `param_partition_rules`).
 One (k_cache, v_cache) pair per layer, and no lax.scan over stacked caches: a donated
 buffer read inside a loop can get a full-size temporary copy (openxla/xla#45912). The
 runner compiles a program of a few layers and calls it per group instead (paged_jax/runner.py
-says why: a scan over stacked weights measured 30% slower steps on CPU).
+says why: a scan over stacked weights copied each layer's weights out of the stack on XLA:CPU).
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ class Attention(nnx.Module):
 
     def _out(self, attn):
         # One [T, N*H] x [N*H, D] matmul. As a contraction over two axes, XLA on CPU laid the
-        # attention output out head-minor and so transposed the weight on every step
-        # (~0.35 ms a layer, 8% of a 32-sequence decode step in bench_throughput's model).
+        # attention output out head-minor and so transposed the weight on every step (a
+        # noticeable share of a decode step in bench_throughput's model).
         n, h, d = self.o_proj.shape
         return attn.reshape(*attn.shape[:-2], n * h) @ self.o_proj[...].astype(self.config.dtype).reshape(n * h, d)
 

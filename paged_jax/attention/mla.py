@@ -24,9 +24,8 @@ from paged_jax.attention.mla_xla import mla_paged_attention_xla
 from paged_jax.attention.registry import KernelOptions, NoKernelOptions, register_backend
 from pallas_kernels.mla_attention import MlaPallasConfig, mla_paged_attention
 
-# Prefill chunks on the XLA path: absorbed measured faster on CPU (scripts/bench_mla.py: a
-# 256-token chunk took 0.79x the decompressing time with no cached context, 0.48x over 768
-# cached tokens). The XLA path decompresses the context once per 32-row query block, which
+# Prefill chunks on the XLA path: absorbed measured faster on CPU, with and without cached
+# context (scripts/bench_mla.py; docs/BENCHMARKS.md section 12). The XLA path decompresses the context once per 32-row query block, which
 # costs L * N * (P + V) per key against 32 * N * (L + R + L) for attending in latent space.
 PREFILL_FORM = "absorbed"
 

@@ -151,10 +151,9 @@ def attend_in_blocks(out, attend_group, block_tables, batch, q_lens, *, block_si
     num_real_blocks = jnp.sum(cdiv(q_lens, block_q))
     if block_q == 1:
         # Sorted groups of 8 walk about as far as each member needs; groups of 32 walked every
-        # row to the longest context of its half of a 64-slot step (ab_xla_attention.py against
-        # 4ca3292: 0.77x at 64 decodes of 64-600 keys, 0.76x at 24 of 500-1000, 0.95x at 64 of
-        # 500). A second loop of bigger groups was no faster with DRAM-sized caches and cost
-        # ~10 MB of code per compiled shape.
+        # row to the longest context of its half of a 64-slot step, which was slower
+        # (scripts/ab_xla_attention.py measures it). A second loop of bigger groups was no
+        # faster with DRAM-sized caches and cost megabytes of code per compiled shape.
         return run_groups(out, 0, cdiv(num_real_blocks, group_blocks), group_blocks)
     # Prefill blocks are 32 rows each: walk whole groups, then the rest one block at a time,
     # so a short chunk (a prefix-cache hit's 50-token question) computes no padding blocks.
