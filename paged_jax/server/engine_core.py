@@ -22,11 +22,10 @@ cores the process may use then, and a pool squeezed onto fewer cores later keeps
 and runs slower than one sized for them. Whether to leave one depends on the token rate.
 XLA spreads every step over all cores, and when the HTTP work that wakes with each step's
 tokens preempts one of those threads the whole step waits for it; but a core left to HTTP is
-compute the engine lacks. Measured on 2 cores at saturation
-(scripts/bench_serve.py): the tiny model's 12k tokens/s keep the HTTP process half a core
-busy, and its server serves 104% of LLM.generate with a core reserved against 77% without;
-SmolLM2's 190 tokens/s keep it 1% busy, and its server serves 100% without against 75% with.
-The default follows real models: one core reserved on machines of 4 or more (what vLLM's CPU
+compute the engine lacks. On 2 cores at saturation (scripts/bench_serve.py; the figures are
+in docs/BENCHMARKS.md section 11) a host-bound model serving thousands of tokens/s keeps the
+HTTP process busy enough that reserving a core wins, and a compute-bound real model loses
+more to the missing core than it gains. The default follows real models: one core reserved on machines of 4 or more (what vLLM's CPU
 tuning guides recommend), none on smaller ones, where the engine needs every core for its
 compute.
 """
