@@ -63,8 +63,9 @@ class LLMEngine:
         mc = self.model.config
         local_device = None if self.mesh is None else next(
             d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
-        self.cache_config, self.scheduler_config = c.resolve(self.model, local_device)
-        self.runner = ModelRunner(self.model, self.cache_config, self.scheduler_config, c, mesh=self.mesh)
+        self.resolved_config = c.resolve(self.model, local_device)
+        self.cache_config, self.scheduler_config = self.resolved_config.cache, self.resolved_config.scheduler
+        self.runner = ModelRunner(self.model, self.resolved_config, mesh=self.mesh)
         self.kv_events = KVEventLog() if c.enable_kv_events else None
         self.offload = build_offload_manager(c, self.cache_config, self.runner.pool, self.model, self.kv_events)
         self.kv_cache_manager = KVCacheManager(self.cache_config, self.offload, self.kv_events)

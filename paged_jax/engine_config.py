@@ -209,9 +209,10 @@ class EngineConfig:
         if not isinstance(self.enable_kv_events, bool):
             raise ValueError(f"enable_kv_events={self.enable_kv_events!r} must be True or False")
 
-    def resolve(self, model, device=None) -> tuple[CacheConfig, SchedulerConfig]:
-        """The sizes this config means for a loaded model on this device (`device`: the first
-        of the engine's mesh; the pool is sized per device, see num_blocks_for_budget)."""
+    def resolve(self, model, device=None) -> ResolvedConfig:
+        """What this config means for a loaded model on this device (`device`: the first of
+        the engine's mesh; the pool is sized per device, see num_blocks_for_budget): the
+        max_model_len, the pool's blocks and KV-cache groups, the step limits."""
         mc = model.config
         max_model_len = self.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
         if max_model_len > mc.max_position_embeddings:
@@ -230,7 +231,30 @@ class EngineConfig:
                             self.hash_algo, self.hash_seed, kv_cache_group_specs(specs))
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
                                     self.long_prefill_token_threshold, preemption_mode=self.preemption_mode)
-        return cache, scheduler
+        return ResolvedConfig(self, cache, scheduler)
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """One engine's configuration, resolved once against its model and device and passed
+    whole (vLLM's VllmConfig): what the user asked for and the sizes it means.
+
+    Attributes:
+      engine: the EngineConfig as given (every knob, validated).
+      cache: the KV cache the host manages (blocks, max_model_len, hashing, KV-cache groups).
+      scheduler: the step limits and their shape buckets.
+    The host pieces take their own part (KVCacheManager the cache, Scheduler the scheduler);
+    the device side (ModelRunner) takes the whole.
+    """
+
+    engine: EngineConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+
+    def __post_init__(self):
+        if self.cache.max_model_len != self.scheduler.max_model_len:
+            raise ValueError(f"cache max_model_len={self.cache.max_model_len} differs from the scheduler's "
+                             f"{self.scheduler.max_model_len}; resolve both from one EngineConfig")
 
 
 def _is_ml_float(dtype: np.dtype) -> bool:

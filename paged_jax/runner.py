@@ -38,9 +38,8 @@ from jax.experimental import multihost_utils
 from paged_jax.attention import bind_layer, make_attention_backend
 from paged_jax.compile_manager import CompileManager
 from paged_jax.core.batch import pad_step_inputs
-from paged_jax.core.config import CacheConfig, SchedulerConfig
 from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
-from paged_jax.engine_config import EngineConfig
+from paged_jax.engine_config import ResolvedConfig
 from paged_jax.kv_pool import KVPool
 from paged_jax.sampler import sample
 from paged_jax.sharding import (TP_AXIS, ShardedAttention, cache_shardings, check_tensor_parallel, local_value,
@@ -82,10 +81,10 @@ class ModelRunner:
         graph, each called as layer(x, positions, layer_cache, attn_metadata, attention)),
         `compute_logits` and `kv_cache_specs`; its state is split off once and its graph is
         static.
-      cache_config: block_size, num_blocks (null block included), max_model_len, and the KV-cache
-        groups (each layer reads its group's block table and slot mapping).
-      scheduler_config: the step limits, whose buckets are the compiled shapes.
-      config: the EngineConfig whose device-side knobs apply (default EngineConfig()): dtype
+      config: the ResolvedConfig (EngineConfig.resolve). Its cache part: block_size, num_blocks
+        (null block included), max_model_len and the KV-cache groups (each layer reads its
+        group's block table and slot mapping); its scheduler part: the step limits, whose
+        buckets are the compiled shapes; its engine part, the device-side knobs: dtype
         (compute and KV; None: the model's), kv_cache_dtype / kv_cache_scaling / kv_scales /
         kv_key_offsets (the pool's format and static inputs), attention_impl ("xla", "triton",
         alias "pallas", or None: triton on GPU, xla elsewhere) with interpret, and
@@ -101,9 +100,10 @@ class ModelRunner:
       attention_backends: one per KV-cache group, for its spec; `attention` is the first.
     """
 
-    def __init__(self, model, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                 config: EngineConfig | None = None, *, mesh=None):
-        config = config if config is not None else EngineConfig()
+    def __init__(self, model, config: ResolvedConfig, *, mesh=None):
+        self.resolved_config = config
+        cache_config, scheduler_config = config.cache, config.scheduler
+        config = config.engine
         self.config = model.config
         self.mesh = mesh
         self.cache_config = cache_config
@@ -332,7 +332,8 @@ class ModelRunner:
                 slot_mapping=np.zeros((self.cache_config.num_kv_cache_groups, num_tokens), np.int32),
                 block_tables=np.zeros((self.cache_config.num_kv_cache_groups, s, self.cache_config.max_blocks_per_seq),
                                       np.int32),
-                seq_lens=np.eye(1, s, dtype=np.int32)[0], query_start_loc=query_start_loc, num_seqs=np.ones(1, np.int32)),
+                seq_lens=np.eye(1, s, dtype=np.int32)[0], query_start_loc=query_start_loc,
+                num_seqs=np.ones(1, np.int32)),
             # Sampling rows that filter and draw, so the compiled step holds every branch.
             SamplingMetadata(temperature=np.ones(s, np.float32), top_k=np.full(s, 8, np.int32),
                              top_p=np.full(s, 0.9, np.float32), rng_keys=np.zeros((s, 2), np.uint32)),

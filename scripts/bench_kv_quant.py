@@ -296,7 +296,7 @@ def speed(args) -> dict:
     from models.llama import LlamaConfig, LlamaForCausalLM
     from paged_jax.core.config import CacheConfig, SchedulerConfig
     from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
-    from paged_jax.engine_config import EngineConfig
+    from paged_jax.engine_config import EngineConfig, ResolvedConfig
     from paged_jax.runner import ModelRunner
     from flax import nnx
 
@@ -337,9 +337,9 @@ def speed(args) -> dict:
         inputs.sampling)
     runners = {}
     for name in ("auto", *FORMATS):
-        runner = ModelRunner(model, CacheConfig(block_size, num_blocks, max_model_len),
-                             SchedulerConfig(s, max(s, p), max_model_len),
-                             EngineConfig(kv_cache_dtype=name, attention_impl=args.impl))
+        runner = ModelRunner(model, ResolvedConfig(EngineConfig(kv_cache_dtype=name, attention_impl=args.impl),
+                                                   CacheConfig(block_size, num_blocks, max_model_len),
+                                                   SchedulerConfig(s, max(s, p), max_model_len)))
         keys = jax.random.split(jax.random.key(1), 4 * len(runner.kv_caches))
         caches = []
         for i, cache in enumerate(runner.kv_caches):  # random pages (and positive scales) everywhere

@@ -138,7 +138,7 @@ def measure_steps(reps: int, layers_per_program: int | None = None) -> dict:
     from models.kv_cache_spec import init_kv_caches
     from models.llama import PRESETS, LlamaForCausalLM
     from paged_jax.core.config import CacheConfig, SchedulerConfig
-    from paged_jax.engine_config import EngineConfig
+    from paged_jax.engine_config import EngineConfig, ResolvedConfig
     from paged_jax.runner import ModelRunner
     from paged_jax.sampler import sample
 
@@ -147,8 +147,8 @@ def measure_steps(reps: int, layers_per_program: int | None = None) -> dict:
     config = dataclasses.replace(PRESETS["tiny"], **shape, dtype=dtype, param_dtype=dtype)
     model = LlamaForCausalLM(config, rngs=nnx.Rngs(0))
     num_blocks = 1 + 32 * 40  # 32 sequences of up to 640 tokens
-    runner = ModelRunner(model, CacheConfig(16, num_blocks, 2048), SchedulerConfig(32, 512, 2048),
-                         EngineConfig(layers_per_program=layers_per_program))
+    runner = ModelRunner(model, ResolvedConfig(EngineConfig(layers_per_program=layers_per_program),
+                                               CacheConfig(16, num_blocks, 2048), SchedulerConfig(32, 512, 2048)))
     graphdef, params = nnx.split(model)
     attention = runner.attention
 

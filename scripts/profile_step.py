@@ -30,6 +30,7 @@ from models.llama import load_hf_checkpoint
 from paged_jax.attention import XlaAttention
 from paged_jax.core.config import CacheConfig, SchedulerConfig
 from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
+from paged_jax.engine_config import EngineConfig, ResolvedConfig
 from paged_jax.runner import ModelRunner
 
 
@@ -115,11 +116,11 @@ def main() -> int:
         model = load_hf_checkpoint(model_dir, dtype="float32")
     geometry = (CacheConfig(block_size=16, num_blocks=2176, max_model_len=2048),
                 SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=2048))
-    runner = ModelRunner(model, *geometry)
+    runner = ModelRunner(model, ResolvedConfig(EngineConfig(), *geometry))
     inputs = decode_inputs(runner, args.seqs, tuple(args.context), np.random.default_rng(0))
     # The same step with attention replaced by the identity (the KV write stays): the rest of
     # the model.
-    without_attention = ModelRunner(model, *geometry)
+    without_attention = ModelRunner(model, ResolvedConfig(EngineConfig(), *geometry))
     without_attention.attention_backends = [KVWriteOnly(without_attention.attention.spec)]
     rest_ms = median_ms(without_attention, inputs)
     del without_attention

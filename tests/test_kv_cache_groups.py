@@ -14,6 +14,7 @@ from paged_jax.core.config import CacheConfig, KVCacheGroupSpec, SchedulerConfig
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, SamplingParams
 from paged_jax.core.scheduler import Scheduler
+from paged_jax.engine_config import EngineConfig, ResolvedConfig
 from paged_jax.runner import ModelRunner
 from tests.engine_reference import dense_greedy, greedy_params, make_prompts, model
 
@@ -99,7 +100,7 @@ def test_two_groups_generate_what_the_dense_model_does():
     kv = KVCacheManager(cache)
     scheduler = Scheduler(sched_config, kv)
     builder = StepInputsBuilder(cache, sched_config, seed=0)
-    runner = ModelRunner(model(), cache, sched_config)
+    runner = ModelRunner(model(), ResolvedConfig(EngineConfig(), cache, sched_config))
     prompts, max_tokens = make_prompts(3, num=12)
     requests = [Request(f"r{i}", p, greedy_params(n)) for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     for r in requests:

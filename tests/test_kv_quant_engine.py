@@ -23,7 +23,7 @@ from models.llama import Attention
 from paged_jax.core.config import CacheConfig, SchedulerConfig
 from paged_jax.core.kv_quant import FORMATS, key_rotation
 from paged_jax.engine import LLMEngine
-from paged_jax.engine_config import EngineConfig
+from paged_jax.engine_config import EngineConfig, ResolvedConfig
 from paged_jax.runner import ModelRunner
 from pallas_kernels.kv_cache_write import dequantize_pages, quantize_rows
 
@@ -145,8 +145,9 @@ def test_quantized_pool_is_sized_and_donated_in_place():
     model = big_llm().engine.model
     config = model.config
     num_blocks = 4097
-    runner = ModelRunner(model, CacheConfig(BLOCK_SIZE, num_blocks, MAX_MODEL_LEN), SchedulerConfig(8, 16, MAX_MODEL_LEN),
-                         EngineConfig(kv_cache_dtype="fp8"))
+    runner = ModelRunner(model, ResolvedConfig(EngineConfig(kv_cache_dtype="fp8"),
+                                               CacheConfig(BLOCK_SIZE, num_blocks, MAX_MODEL_LEN),
+                                               SchedulerConfig(8, 16, MAX_MODEL_LEN)))
     per_token = config.num_kv_heads * (2 * config.head_dim * 1 + 2 * 4)  # fp8 pages + f32 scales
     assert runner.pool.kv_cache_bytes == config.num_layers * num_blocks * BLOCK_SIZE * per_token
     assert [a.dtype.name for a in runner.kv_caches[0]] == ["uint8"] * 2 + ["float32"] * 2
@@ -172,7 +173,7 @@ def test_memory_budget_holds_more_tokens_when_quantized():
     for dtype, kv in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "fp8"), ("float32", "int8")):
         config = EngineConfig(model="tiny", kv_cache_memory_bytes=budget, dtype=dtype, kv_cache_dtype=kv,
                               max_model_len=MAX_MODEL_LEN)
-        blocks[(dtype, kv)] = config.resolve(model)[0].num_blocks
+        blocks[(dtype, kv)] = config.resolve(model).cache.num_blocks
     head_dim = model.config.head_dim
     assert blocks[("float32", "fp8")] == blocks[("float32", "int8")]
     # per (token, KV head): f32 8 * head_dim bytes, bf16 4 * head_dim, fp8 2 * head_dim + 8

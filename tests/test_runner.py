@@ -24,7 +24,7 @@ from models.kv_cache_spec import init_kv_caches
 from models.llama import LlamaConfig, LlamaForCausalLM
 from paged_jax import SamplingParams
 from paged_jax.engine import LLMEngine
-from paged_jax.engine_config import EngineConfig
+from paged_jax.engine_config import EngineConfig, ResolvedConfig
 from paged_jax.core.config import MIN_SEQ_BUCKET, MIN_TOKEN_BUCKET, CacheConfig, SchedulerConfig
 from paged_jax.compile_manager import stop_background_work
 from paged_jax.kv_pool import CPU_KV_CACHE_BYTES, num_blocks_for_budget
@@ -50,8 +50,9 @@ def backend_compiles():
 
 
 def make_runner(num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len=MAX_MODEL_LEN, **kwargs):
-    return ModelRunner(model(), CacheConfig(BLOCK_SIZE, num_blocks, max_model_len),
-                       SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), EngineConfig(**kwargs))
+    return ModelRunner(model(), ResolvedConfig(EngineConfig(**kwargs),
+                                               CacheConfig(BLOCK_SIZE, num_blocks, max_model_len),
+                                               SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)))
 
 
 def _smallest_at_least(buckets, n):
@@ -64,7 +65,8 @@ def test_bucket_shapes_cover_every_reachable_step(max_num_seqs, max_num_batched_
     runner = make_runner(2, max_num_seqs, max_num_batched_tokens)
     shapes = runner.bucket_shapes()
     assert len(set(shapes)) == len(shapes)
-    assert runner.compiler.token_buckets[-1] == max_num_batched_tokens and runner.compiler.seq_buckets[-1] == max_num_seqs
+    compiler = runner.compiler
+    assert compiler.token_buckets[-1] == max_num_batched_tokens and compiler.seq_buckets[-1] == max_num_seqs
     assert runner.compiler.token_buckets[0] == min(MIN_TOKEN_BUCKET, max_num_batched_tokens)
     # every step the scheduler can produce: t tokens over 1..min(t, max_num_seqs) sequences
     reachable = {
@@ -287,11 +289,12 @@ def test_grouped_layer_programs_match_the_model(num_layers, per_program):
     attention in test_llama.py), for layer counts that group differently."""
     config = dataclasses.replace(model().config, num_layers=num_layers)
     llama = LlamaForCausalLM(config, rngs=nnx.Rngs(3))
-    runner = ModelRunner(llama, CacheConfig(BLOCK_SIZE, 9, 64), SchedulerConfig(8, 16, 64),
-                         EngineConfig(layers_per_program=per_program))
+    runner = ModelRunner(llama, ResolvedConfig(EngineConfig(layers_per_program=per_program),
+                                               CacheConfig(BLOCK_SIZE, 9, 64), SchedulerConfig(8, 16, 64)))
     assert runner.layers_per_program == {3: 3, 7: 1, 4: 4}[num_layers]
     caches = init_kv_caches(llama.kv_cache_specs(), 9, BLOCK_SIZE)
-    reference = jax.jit(lambda inputs, caches: llama(inputs.model, caches, inputs.attention.for_group(0), runner.attention))
+    reference = jax.jit(lambda inputs, caches: llama(inputs.model, caches, inputs.attention.for_group(0),
+                                                     runner.attention))
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, 20)
     width = runner.cache_config.max_blocks_per_seq
     for start, end in ((0, 13), (13, 14)):
@@ -305,7 +308,8 @@ def test_grouped_layer_programs_match_the_model(num_layers, per_program):
 
 def test_layers_per_program_must_divide_the_layers():
     with pytest.raises(ValueError, match="layers_per_program=3 must divide the model's 2 layers"):
-        ModelRunner(model(), CacheConfig(BLOCK_SIZE, 9, 64), SchedulerConfig(8, 16, 64), EngineConfig(layers_per_program=3))
+        ModelRunner(model(), ResolvedConfig(EngineConfig(layers_per_program=3), CacheConfig(BLOCK_SIZE, 9, 64),
+                                            SchedulerConfig(8, 16, 64)))
 
 
 def test_packed_step_inputs_round_trip_bit_for_bit():
