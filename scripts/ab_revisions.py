@@ -1,6 +1,8 @@
-"""The engine's throughput at several git revisions, side by side: which commit made it slower.
+"""The engine's throughput (or host overhead) at several git revisions, side by side: which
+commit made it slower.
 
     python scripts/ab_revisions.py [--rounds 4] REV [REV ...] [--layers-per-program N]
+    python scripts/ab_revisions.py --host [--rounds 4] REV [REV ...]
 
 Each revision (a commit, or `.` for the working tree) is checked out into a temporary git
 worktree and runs in a warm process of its own: `LLM.generate` on bench_throughput's mixed
@@ -9,6 +11,11 @@ the benchmark model (_bench_common.BENCH_MODEL, float32), with bench_throughput'
 arguments. The processes take turns, the order reversed every round, so drift on a shared
 machine hits every revision alike; medians are printed. `--layers-per-program` adds the
 working tree once more with that many layers per compiled program.
+
+`--host` compares the host side instead: each round runs every revision's own
+scripts/bench_block_manager.py (decode allocate_slots, the whole trace) and
+scripts/bench_host_overhead.py --quick (schedule + build + update of 256 decodes, and
+engine.step minus the jitted call) in a fresh process from that revision's tree.
 """
 
 from __future__ import annotations
@@ -48,12 +55,64 @@ for _ in sys.stdin:
 """
 
 
+# (script and arguments, JSON path of the figure, row name) for --host
+HOST_FIGURES = [
+    (("bench_block_manager.py", "--repeats", "2"), ("decode_allocate_us",), "decode allocate_slots, us"),
+    (("bench_block_manager.py", "--repeats", "2"), ("trace_wall_s",), "block-manager trace wall, s"),
+    (("bench_host_overhead.py", "--quick"), ("host_path", "total", "median_us"), "schedule + build + update, us"),
+    (("bench_host_overhead.py", "--quick"), ("engine_step_minus_jit", "median_us"), "engine.step minus jit, us"),
+]
+
+
+def host_ab(trees, rounds: int, tmp: str) -> int:
+    """Each revision's host benchmarks, in fresh processes from its own tree, taking turns."""
+    scripts = list(dict.fromkeys(script for script, _, _ in HOST_FIGURES))
+    runs = {(name, label): [] for name, _ in trees for _, _, label in HOST_FIGURES}
+    for r in range(rounds):
+        for name, path in (trees if r % 2 == 0 else trees[::-1]):
+            results = {}
+            for script in scripts:
+                out = os.path.join(tmp, "result.json")
+                env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+                subprocess.run([sys.executable, os.path.join(path, "scripts", script[0]), *script[1:], "--out", out],
+                               cwd=path, env=env, check=True, stdout=subprocess.DEVNULL)
+                with open(out) as f:
+                    results[script] = json.load(f)
+            for script, keys, label in HOST_FIGURES:
+                value = results[script]
+                for key in keys:
+                    value = value[key]
+                runs[(name, label)].append(float(value))
+        print(f"round {r + 1} done", flush=True)
+    print_table(f"host side, {rounds} alternating rounds (medians)", ["figure", *[n for n, _ in trees]],
+                [[label, *[f"{statistics.median(runs[(n, label)]):.2f}" for n, _ in trees]]
+                 for _, _, label in HOST_FIGURES])
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revisions", nargs="+", help="commits to compare; '.' is the working tree")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--layers-per-program", type=int, default=None)
+    parser.add_argument("--host", action="store_true", help="compare the host-side benchmarks instead")
     args = parser.parse_args()
+    if args.host:
+        with tempfile.TemporaryDirectory(prefix="paged_jax_ab_") as tmp:
+            trees = []
+            try:
+                for rev in args.revisions:
+                    if rev == ".":
+                        trees.append(("working tree", str(REPO)))
+                        continue
+                    path = os.path.join(tmp, rev.replace("/", "_"))
+                    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "-q", "--detach", path, rev], check=True)
+                    trees.append((rev, path))
+                return host_ab(trees, args.rounds, tmp)
+            finally:
+                for _, path in trees:
+                    if path != str(REPO):
+                        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", path], check=False)
     with tempfile.TemporaryDirectory(prefix="paged_jax_ab_") as tmp:
         model_dir = os.path.join(tmp, "model")
         make_checkpoint(model_dir, seed=0)
