@@ -24,10 +24,19 @@ def _req(rid, n, start=0, max_tokens=100, **kw):
     return Request(rid, list(range(start, start + n)), params, **kw)
 
 
+def _group_ids(block_ids):
+    """The one KV-cache group's new block ids (() is a step that allocated none; unpacking
+    fails on more groups)."""
+    if block_ids == ():
+        return []
+    (ids,) = block_ids
+    return ids
+
+
 def _view(out):
-    """The step's lists; block ids of the one KV-cache group (unpacking fails on more)."""
+    """The step's lists, with the block ids of the one KV-cache group."""
     return (out.req_ids, out.num_computed_tokens, out.num_scheduled_tokens, out.samples,
-            [ids for (ids,) in out.new_block_ids], out.is_new)
+            [_group_ids(ids) for ids in out.new_block_ids], out.is_new)
 
 
 def _step(sched, tokens=None):

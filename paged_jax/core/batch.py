@@ -138,7 +138,7 @@ class StepInputsBuilder:
             elif is_new or row is None:
                 assert is_new, f"request {request.request_id!r} has no block table yet and came without one"
                 row = self._add_row(request, new_ids)
-            else:
+            elif new_ids:  # () when the step allocated no block
                 for g, ids in enumerate(new_ids):
                     if ids:
                         k, m = int(num_blocks[g, row]), len(ids)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from paged_jax.core.block_pool import BlockPool, hash_with_group_id
 from paged_jax.core.config import CacheConfig
@@ -57,10 +58,10 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-@dataclass(frozen=True)
-class KVCacheBlocks:
+class KVCacheBlocks(NamedTuple):
     """Blocks of one request, one list per KV-cache group in group order (vLLM's KVCacheBlocks):
-    what get_computed_blocks finds and allocate_slots hands out."""
+    what get_computed_blocks finds and allocate_slots hands out. A NamedTuple: one is made
+    per running request per step, and a tuple is the cheapest record to make."""
 
     blocks: tuple[list[KVCacheBlock], ...]
 
@@ -97,6 +98,13 @@ class KVCacheManager:
         self.coordinator = KVCacheCoordinator(config, self.block_pool)
         self.num_kv_cache_groups = self.coordinator.num_groups
         self._no_hits = ((),) * self.num_kv_cache_groups  # immutable: shared by every call
+        self._no_new_blocks = KVCacheBlocks(self._no_hits)  # what most decodes get
+        # For allocate_slots' fast path, looked up once: every group's manager, those
+        # whose remove_skipped_blocks can free anything, and group 0's tables (every group
+        # holds a table for the same requests).
+        self._managers = self.coordinator.managers
+        self._skipping_managers = tuple(m for m in self._managers if m.frees_skipped_blocks)
+        self._tables_of_group0 = self._managers[0].req_to_blocks
         if offload is not None and self.num_kv_cache_groups > 1:
             raise ValueError(f"the offload tiers keep one block table per request, but this model has "
                              f"{self.num_kv_cache_groups} KV-cache groups; set offload_host_bytes=0")
@@ -242,12 +250,40 @@ class KVCacheManager:
                 f"num_new_computed_tokens={num_new_computed_tokens}, num_lookahead_tokens={num_lookahead_tokens}"
             )
         request_id = request.request_id
-        coordinator = self.coordinator
-        pool = self.block_pool
         num_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if num_tokens_need_slot > self.max_model_len:
             num_tokens_need_slot = self.max_model_len
+        if not new_computed_blocks and request_id in self._tables_of_group0:
+            # The fast path: a request that holds its tables and brings no hits (every decode
+            # and later prefill chunk, once per running request per step). The general path's
+            # steps for each group, inlined, without its first-allocation work.
+            managers = self._managers
+            for m in self._skipping_managers:
+                m.remove_skipped_blocks(request_id, request.num_computed_tokens)
+            num_required = -(-num_tokens_need_slot // self.block_size)
+            num_new = 0
+            for m in managers:
+                need = num_required - len(m.req_to_blocks[request_id])
+                if need > 0:
+                    num_new += need
+            if num_new > self.block_pool.free_block_queue.num_free_blocks:
+                return None
+            new_blocks = self._no_new_blocks if num_new == 0 else KVCacheBlocks(
+                tuple(m.allocate_new_blocks(request_id, num_tokens_need_slot) for m in managers))
+            if self.enable_caching:
+                # Lookahead slots hold unverified tokens: never cache them.
+                num_tokens_to_cache = num_computed_tokens + num_new_tokens
+                num_tokens = len(request.all_token_ids)
+                if num_tokens_to_cache > num_tokens:
+                    num_tokens_to_cache = num_tokens
+                num_full_blocks = num_tokens_to_cache // self.block_size
+                for m in managers:
+                    if num_full_blocks > m.num_cached_block.get(request_id, 0):
+                        m.cache_blocks(request, num_tokens_to_cache)
+            return new_blocks
+        coordinator = self.coordinator
+        pool = self.block_pool
         first_allocation = not coordinator.has_request(request_id)
         if first_allocation:  # of this request, or of its resumption after preemption
             self._admit(request)

@@ -41,8 +41,9 @@ class SchedulerOutput:
       num_computed_tokens: tokens already in the KV cache BEFORE this step.
       num_scheduled_tokens: tokens computed this step (positions computed .. computed + n - 1).
       samples: whether the step's last token yields a sampled next token.
-      new_block_ids: one list per KV-cache group: newly admitted / resumed (is_new): the
-        whole block table; else the blocks allocated this step (usually none).
+      new_block_ids: newly admitted / resumed (is_new): the whole block table, one list per
+        KV-cache group; else the blocks allocated this step, one list per group, or () when
+        the step allocated none (most decodes).
       is_new: whether new_block_ids is a whole table (a fresh start for the request).
       preempted_req_ids: requests preempted in this step (they hold no blocks now).
       finished_req_ids: requests finished or aborted since the previous schedule().
@@ -154,7 +155,7 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # the request preempted itself, and everything after it went first
-            out._add(request, num_new, new_blocks.get_block_ids(), is_new=False)
+            out._add(request, num_new, new_blocks.get_block_ids() if new_blocks else (), is_new=False)
             budget -= num_new
             i += 1
 
