@@ -71,11 +71,11 @@ class DataParallelEngine:
 
     # routing
     def _num_held_blocks(self, replica: int, block_hashes: list[bytes]) -> int:
-        cached = self.replicas[replica].kv_cache_manager.block_pool.cached_block_hash_to_block
+        is_cached = self.replicas[replica].kv_cache_manager.has_cached_block
         routed = self._routed_hashes[replica]
         n = 0
         for block_hash in block_hashes:
-            if block_hash not in cached and not routed[block_hash]:
+            if not routed[block_hash] and not is_cached(block_hash):
                 break
             n += 1
         return n

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 
 from paged_jax.compile_cache import AUTO_COMPILE_CACHE, WARM_UP_MODES, check_compile_cache_dir
-from paged_jax.core.config import CacheConfig, SchedulerConfig, check_int, check_power_of_two
+from paged_jax.core.config import CacheConfig, SchedulerConfig, check_hash_seed, check_int, check_power_of_two
 from paged_jax.core.hashing import HASH_FNS, get_hash_fn_by_name
 from paged_jax.core.kv_quant import (KV_CACHE_DTYPES, KV_CACHE_SCALINGS, check_key_offsets, check_kv_cache_scaling,
                                      check_scale, get_kv_quant_format)
@@ -147,6 +147,7 @@ class EngineConfig:
         if self.num_blocks is not None:
             check_int("num_blocks", self.num_blocks, 2, "block 0 is the null block")
         get_hash_fn_by_name(self.hash_algo)
+        check_hash_seed(self.hash_seed)  # before a model is loaded, not after
         if isinstance(self.warm_up, bool):  # the earlier switch: True compiled every bucket up front
             object.__setattr__(self, "warm_up", "full" if self.warm_up else "none")
         if self.warm_up not in WARM_UP_MODES:

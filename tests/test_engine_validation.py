@@ -126,6 +126,7 @@ def test_generate_with_one_bad_prompt_queues_nothing(good):
     (dict(warm_up="lazy"), r"warm_up='lazy' must be one of \('background', 'full', 'none'\)"),
     (dict(compile_cache_dir=""), r"compile_cache_dir='' must be a directory path, or None"),
     (dict(compile_cache_dir=__file__), r"compile_cache_dir=.* is a file; give a directory"),
+    (dict(hash_seed=1.5), r"hash_seed=1.5 must be an int, a str or None"),  # before any model loads
 ])
 def test_engine_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -70,6 +70,8 @@ def test_a_hit_is_the_longest_prefix_every_group_accepts():
     # Group 0 lost the prefix's 2nd and 3rd blocks, group 1 kept all three: one block hits.
     hits, num_hit = mgr.get_computed_blocks(Request("r2", COMMON + [5]))
     assert hits.get_block_ids() == ([1], [5]) and num_hit == BS
+    # A router's question, per block: cached in every group?
+    assert [mgr.has_cached_block(h) for h in r0.block_hashes] == [True, False, False]
     mgr.check_invariants()
 
 

@@ -32,6 +32,12 @@ def check_power_of_two(name: str, value, fix: str = "16 is vLLM's default") -> N
         raise ValueError(f"{name}={value!r} must be a power of two ({fix})")
 
 
+def check_hash_seed(value) -> None:
+    """ValueError unless value is an int, a str or None (a prefix-cache chain root seed)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, str))):
+        raise ValueError(f"hash_seed={value!r} must be an int, a str or None (None: a random root per engine)")
+
+
 def make_buckets(max_value: int, min_value: int = 1) -> list[int]:
     """Powers of two from the first one >= min_value, capped by max_value (always the last).
 
@@ -113,9 +119,7 @@ class CacheConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
         get_hash_fn_by_name(self.hash_algo)  # ValueError naming the known ones
-        if self.hash_seed is not None and (isinstance(self.hash_seed, bool)
-                                           or not isinstance(self.hash_seed, (int, str))):
-            raise ValueError(f"hash_seed={self.hash_seed!r} must be an int, a str or None")
+        check_hash_seed(self.hash_seed)
         groups = self.kv_cache_groups
         if not isinstance(groups, tuple) or not groups or not all(isinstance(g, KVCacheGroupSpec) for g in groups):
             raise ValueError(f"kv_cache_groups={groups!r} must be a non-empty tuple of KVCacheGroupSpec")

@@ -380,6 +380,12 @@ class KVCacheManager:
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(list(blocks) for blocks in self.coordinator.get_blocks(request_id)))
 
+    def has_cached_block(self, block_hash: bytes) -> bool:
+        """Whether every KV-cache group holds a cached block under this chain hash (what a
+        router asks of a replica: would a request with this block hit here)."""
+        pool = self.block_pool
+        return all(pool.get_cached_block(block_hash, g) is not None for g in range(self.num_kv_cache_groups))
+
     def has_requests(self) -> bool:
         """Whether any request holds blocks."""
         return any(m.req_to_blocks for m in self.coordinator.managers)
