@@ -11,8 +11,6 @@ one BlockPool. Imports no jax.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from paged_jax.core.block_pool import BlockPool, hash_with_group_id
@@ -20,42 +18,8 @@ from paged_jax.core.config import CacheConfig
 from paged_jax.core.hashing import BlockHasher, get_hash_fn_by_name, make_none_hash
 from paged_jax.core.kv_cache_block import KVCacheBlock
 from paged_jax.core.kv_cache_coordinator import KVCacheCoordinator
+from paged_jax.core.prefix_cache_stats import PrefixCacheStats
 from paged_jax.core.request import Request
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache lookups since the manager was created (vLLM's PrefixCacheStats, cumulative).
-
-    Lookups of preempted requests (resuming with most of their own blocks) are counted
-    apart, so they do not inflate the hit rate of fresh requests. Reading them changes
-    nothing; a caller that wants intervals subtracts two snapshots (`copy()`).
-    """
-
-    num_resets: int = 0  # reset_prefix_cache() calls that succeeded
-    requests: int = 0
-    queries: int = 0  # tokens looked up
-    hits: int = 0  # tokens found
-    preempted_requests: int = 0
-    preempted_queries: int = 0
-    preempted_hits: int = 0
-
-    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
-        if preempted:
-            self.preempted_requests += 1
-            self.preempted_queries += num_tokens
-            self.preempted_hits += num_hits
-        else:
-            self.requests += 1
-            self.queries += num_tokens
-            self.hits += num_hits
-
-    def copy(self) -> PrefixCacheStats:
-        return dataclasses.replace(self)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheBlocks(NamedTuple):
