@@ -423,6 +423,8 @@ def test_bad_requests_raise_value_error():
             mgr.allocate_slots(ok, **kw)
     assert mgr.get_block_ids("ok") == ([],) and mgr.get_num_free_blocks() == 10
     mgr.allocate_slots(ok, 20)
+    with pytest.raises(ValueError, match="must be the KVCacheBlocks get_computed_blocks returned"):
+        mgr.allocate_slots(Request("list", list(range(20))), 4, 16, mgr.block_pool.blocks[1:2])
     hit = KVCacheBlocks((mgr.block_pool.blocks[1:2],))
     with pytest.raises(ValueError, match="first allocation"):
         mgr.allocate_slots(ok, 1, 16, hit)

@@ -282,6 +282,9 @@ class KVCacheManager:
         """The hit blocks per group (empty for a request that holds a table already: the
         decode fast path). ValueError for hits the manager cannot take."""
         if new_computed_blocks is not None and new_computed_blocks:
+            if not isinstance(new_computed_blocks, KVCacheBlocks):
+                raise ValueError(f"new_computed_blocks must be the KVCacheBlocks get_computed_blocks returned (one "
+                                 f"list per KV-cache group), got {type(new_computed_blocks).__name__}")
             if not self.enable_caching:
                 raise ValueError("new_computed_blocks given but prefix caching is disabled; pass None")
             if not first_allocation:
