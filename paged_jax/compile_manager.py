@@ -101,14 +101,17 @@ class CompileManager:
             return self._programs[shape]
 
     def choose_shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
-        """The bucket (T, S) that runs a step of num_tokens tokens over num_seqs sequences: the
-        smallest compiled bucket that fits (fewest tokens, then fewest sequences), else the
-        smallest bucket that fits (whose compilation the step will wait for). Always the
-        smallest that fits in a multi-process run: every process must run the same program."""
+        """The bucket (T, S) that runs a step of num_tokens tokens over num_seqs sequences: its
+        own, the smallest that fits, once compiled; while the warm-up thread has yet to compile
+        it, the smallest compiled bucket that fits (fewest tokens, then fewest sequences), else
+        its own (the step waits for it). With no warm-up thread running (warm_up="none", or the
+        thread is done) a step never pads up: its own bucket compiles on first use, or a
+        decode would run in a prefill bucket forever. Always its own in a multi-process run:
+        every process must run the same program."""
         t = next(b for b in self.token_buckets if b >= num_tokens)
         s = next(b for b in self.seq_buckets if b >= num_seqs)
         with self._cond:
-            if (t, s) in self._programs or jax.process_count() > 1:
+            if (t, s) in self._programs or not self._warming_up or jax.process_count() > 1:
                 return t, s
             fitting = [shape for shape in self._programs if shape[0] >= num_tokens and shape[1] >= num_seqs]
         return min(fitting) if fitting else (t, s)

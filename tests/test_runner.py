@@ -219,6 +219,9 @@ def test_choose_shape_pads_up_to_a_compiled_bucket():
     assert runner.compiler.choose_shape(3, 2) == (16, 8)
     assert runner.compiler.choose_shape(17, 9) == (32, 16)
     runner.compiler._programs[(32, 16)] = None  # stands for compiled programs: choose_shape only looks at the keys
+    # With no warm-up thread running, a step never pads up: its own bucket compiles on first use.
+    assert runner.compiler.choose_shape(3, 2) == (16, 8)
+    runner.compiler._warming_up = True  # stands for the warm-up thread at work: now it pads up
     assert runner.compiler.choose_shape(3, 2) == (32, 16)  # the only compiled bucket that fits
     assert runner.compiler.choose_shape(17, 9) == (32, 16)
     runner.compiler._programs[(16, 16)] = None
@@ -237,12 +240,32 @@ def test_a_step_runs_in_a_larger_compiled_bucket_unchanged():
     width = runner.cache_config.max_blocks_per_seq
     small = hand_step_inputs([(tokens, [3], 0, 12), (tokens[:5], [6], 0, 5)], BLOCK_SIZE, width, 32, 8)
     runner._programs_for((32, 16))  # only the larger bucket is compiled
+    runner.compiler._warming_up = True  # and the warm-up thread would compile the step's own next
     assert runner.compiler.choose_shape(32, 8) == (32, 16)
     big_ids, big_logprobs = runner.execute(small)
     assert runner.compiler.num_compiled_shapes == 1, "the step compiled its own bucket instead of padding up"
     own_ids, own_logprobs = make_runner(16, 16, 32).execute(small)
     np.testing.assert_array_equal(big_ids[:2], own_ids[:2])
     np.testing.assert_allclose(big_logprobs[:2], own_logprobs[:2], rtol=1e-6)
+
+
+def test_without_warm_up_a_decode_compiles_its_own_bucket():
+    """warm_up="none": each bucket compiles on first use. After a prefill compiled a large
+    bucket, the decodes must not keep running padded up in it (no warm-up thread will ever
+    compile theirs): they compile and run in their own."""
+    base = get_engine("big")
+    config = EngineConfig(model="tiny", max_model_len=MAX_MODEL_LEN, block_size=BLOCK_SIZE, max_num_seqs=8,
+                          max_num_batched_tokens=64, warm_up="none")
+    engine = LLMEngine(config, model=base.model, tokenizer=base.tokenizer)
+    ran = []
+    programs_for = engine.runner._programs_for
+    engine.runner._programs_for = lambda shape: ran.append(shape) or programs_for(shape)
+    prompt = list(range(3, 53))  # 50 tokens: the (64, 8) bucket
+    engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    finished = run_to_completion(engine)
+    assert ran == [(64, 8)] + [(16, 8)] * 3, ran
+    assert finished["r"].token_ids == dense_greedy([prompt], [4])[0][0]
+    assert_no_leak(engine)
 
 
 def test_background_warm_up_never_compiles_on_the_serving_thread():
