@@ -33,7 +33,8 @@ DRY_RUN=0
 
 PY="${PYTHON:-}"
 if [[ -z "$PY" ]]; then
-  if python3 -c "import jax" 2>/dev/null; then PY=python3; else PY=/work/venv/bin/python; fi
+  # the GPU image's python3 has jax; a checkout set up as README says has .venv/
+  if python3 -c "import jax" 2>/dev/null; then PY=python3; else PY=.venv/bin/python; fi
 fi
 # test_attention_registry.py: on a GPU the default implementation must come out "triton".
 TESTS=(tests/test_paged_attention.py tests/test_kv_cache_write.py tests/test_cuda_lowering.py tests/test_mla_attention.py
