@@ -69,10 +69,6 @@ class CompileManager:
     def num_compiled_shapes(self) -> int:
         return len(self._programs)
 
-    def is_compiled(self, shape: tuple[int, int]) -> bool:
-        with self._cond:
-            return shape in self._programs
-
     def programs_for(self, shape: tuple[int, int]):
         """The compiled programs of a shape: ready, compiled by the warm-up thread next (this
         thread waits), or, with no warm-up thread running, compiled here."""
