@@ -165,8 +165,7 @@ class BlockPool:
             if block.is_null:
                 continue
             assert block.block_hash is None, f"caching block {block.block_id} twice: it already has a hash"
-            block_hash = block_hashes[i] if kv_cache_group_id == 0 else hash_with_group_id(block_hashes[i],
-                                                                                            kv_cache_group_id)
+            block_hash = hash_with_group_id(block_hashes[i], kv_cache_group_id)
             block.block_hash = block_hash
             if new is not None and block_hash not in self.cached_block_hash_to_block:
                 new.append((block_hash, block.block_id))

@@ -24,10 +24,9 @@ class KVCacheCoordinator:
             MANAGER_TYPES[group.attention_type](block_pool, config.block_size, group_id)
             for group_id, group in enumerate(config.kv_cache_groups))
         self.num_groups = len(self.managers)
-
-    def has_request(self, request_id: str) -> bool:
-        """Whether the request holds a table (every group starts one at its first allocation)."""
-        return request_id in self.managers[0].req_to_blocks
+        # The managers whose remove_skipped_blocks can free anything (none for full attention,
+        # so a decode pays nothing for the call).
+        self.skipping_managers = tuple(m for m in self.managers if m.frees_skipped_blocks)
 
     def find_longest_cache_hit(self, block_hashes: list[bytes],
                                max_num_blocks: int) -> tuple[list[KVCacheBlock], ...]:
@@ -61,7 +60,7 @@ class KVCacheCoordinator:
             m.cache_blocks(request, num_tokens)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        for m in self.managers:
+        for m in self.skipping_managers:
             m.remove_skipped_blocks(request_id, num_computed_tokens)
 
     def free(self, request_id: str) -> None:

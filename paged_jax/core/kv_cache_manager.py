@@ -61,13 +61,15 @@ class KVCacheManager:
         self.block_pool = BlockPool(config.num_blocks, self.enable_caching)
         self.coordinator = KVCacheCoordinator(config, self.block_pool)
         self.num_kv_cache_groups = self.coordinator.num_groups
-        self._no_hits = ((),) * self.num_kv_cache_groups  # immutable: shared by every call
-        self._no_new_blocks = KVCacheBlocks(self._no_hits)  # what most decodes get
-        # For allocate_slots' fast path, looked up once: every group's manager, those
-        # whose remove_skipped_blocks can free anything, and group 0's tables (every group
-        # holds a table for the same requests).
+        # No blocks in any group: what a lookup that found nothing and most decodes return
+        # (immutable, so one value serves every call).
+        self._no_blocks = KVCacheBlocks(((),) * self.num_kv_cache_groups)
+        # For allocate_slots' fast path, looked up once: every group's manager, those that can
+        # free skipped blocks (none for full attention: the loop costs nothing), and group 0's
+        # tables (every group holds a table for the same requests: whether a request holds one
+        # is a lookup there).
         self._managers = self.coordinator.managers
-        self._skipping_managers = tuple(m for m in self._managers if m.frees_skipped_blocks)
+        self._skipping_managers = self.coordinator.skipping_managers
         self._tables_of_group0 = self._managers[0].req_to_blocks
         if offload is not None and self.num_kv_cache_groups > 1:
             raise ValueError(f"the offload tiers keep one block table per request, but this model has "
@@ -98,10 +100,6 @@ class KVCacheManager:
             self.kv_events.removed([h for h, _ in pairs], "device")
         if self.offload is not None:
             self.offload.on_blocks_evicted(pairs)
-
-    def empty_blocks(self) -> KVCacheBlocks:
-        """No blocks in any group (a lookup that found nothing)."""
-        return KVCacheBlocks(tuple([] for _ in range(self.num_kv_cache_groups)))
 
     # ------------------------------------------------------------------ admission
     def _check_prompt_len(self, request: Request) -> None:
@@ -168,7 +166,7 @@ class KVCacheManager:
         num_tokens = request.num_tokens
         max_num_blocks = (num_tokens - 1) // self.block_size
         if not self.enable_caching:
-            blocks = self.empty_blocks()
+            blocks = self._no_blocks
         else:
             blocks = KVCacheBlocks(self.coordinator.find_longest_cache_hit(request.block_hashes, max_num_blocks))
             self._lookups[request.request_id] = (num_tokens, len(blocks.blocks[0]) * self.block_size,
@@ -218,7 +216,8 @@ class KVCacheManager:
         num_tokens_need_slot = num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if num_tokens_need_slot > self.max_model_len:
             num_tokens_need_slot = self.max_model_len
-        if not new_computed_blocks and request_id in self._tables_of_group0:
+        holds_tables = request_id in self._tables_of_group0
+        if holds_tables and not new_computed_blocks:
             # The fast path: a request that holds its tables and brings no hits (every decode
             # and later prefill chunk, once per running request per step). The general path's
             # steps for each group, inlined, without its first-allocation work.
@@ -233,7 +232,7 @@ class KVCacheManager:
                     num_new += need
             if num_new > self.block_pool.free_block_queue.num_free_blocks:
                 return None
-            new_blocks = self._no_new_blocks if num_new == 0 else KVCacheBlocks(
+            new_blocks = self._no_blocks if num_new == 0 else KVCacheBlocks(
                 tuple(m.allocate_new_blocks(request_id, num_tokens_need_slot) for m in managers))
             if self.enable_caching:
                 # Lookahead slots hold unverified tokens: never cache them.
@@ -248,7 +247,7 @@ class KVCacheManager:
             return new_blocks
         coordinator = self.coordinator
         pool = self.block_pool
-        first_allocation = not coordinator.has_request(request_id)
+        first_allocation = not holds_tables
         if first_allocation:  # of this request, or of its resumption after preemption
             self._admit(request)
         hits = self._check_computed_blocks(request, first_allocation, new_computed_blocks)
@@ -296,7 +295,7 @@ class KVCacheManager:
                 raise ValueError(f"new_computed_blocks has {len(new_computed_blocks.blocks)} groups, this manager "
                                  f"{self.num_kv_cache_groups}; pass what its get_computed_blocks returned")
             return tuple(list(group) for group in new_computed_blocks.blocks)
-        return self._no_hits
+        return self._no_blocks.blocks
 
     # ------------------------------------------------------------------ release
     def free(self, request: Request) -> None:

@@ -26,7 +26,7 @@ class SingleTypeKVCacheManager:
     while it lives); num_cached_block[request_id] counts its leading blocks already cached.
     """
 
-    # Whether remove_skipped_blocks can free anything (the decode fast path skips the call).
+    # Whether remove_skipped_blocks can free anything (the coordinator calls only those that can).
     frees_skipped_blocks = False
 
     def __init__(self, block_pool: BlockPool, block_size: int, kv_cache_group_id: int):
