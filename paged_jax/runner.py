@@ -102,21 +102,19 @@ class ModelRunner:
 
     def __init__(self, model, config: ResolvedConfig, *, mesh=None):
         self.resolved_config = config
-        cache_config, scheduler_config = config.cache, config.scheduler
-        config = config.engine
+        self.cache_config, self.scheduler_config = cache_config, scheduler_config = config.cache, config.scheduler
+        engine = config.engine  # the device-side knobs
         self.config = model.config
         self.mesh = mesh
-        self.cache_config = cache_config
-        self.scheduler_config = scheduler_config
         if mesh is not None:
             check_tensor_parallel(model, mesh.shape[TP_AXIS])
-        specs = model.kv_cache_specs(config.dtype, config.kv_cache_dtype, config.kv_cache_scaling)
-        self.pool = KVPool(specs, cache_config, mesh, kv_scales=config.kv_scales,
-                           kv_key_offsets=config.kv_key_offsets)
+        specs = model.kv_cache_specs(engine.dtype, engine.kv_cache_dtype, engine.kv_cache_scaling)
+        self.pool = KVPool(specs, cache_config, mesh, kv_scales=engine.kv_scales,
+                           kv_key_offsets=engine.kv_key_offsets)
         pool = self.pool
         self.tensor_parallel_size = pool.tensor_parallel_size
         # One backend per group (its spec's), the one its layers call.
-        self.attention_backends = [make_attention_backend(spec, config.attention_impl, interpret=config.interpret)
+        self.attention_backends = [make_attention_backend(spec, engine.attention_impl, interpret=engine.interpret)
                                    for spec in pool.group_specs]
         if mesh is not None:
             self.attention_backends = [ShardedAttention(a, mesh, pool.kv_head_replicas)
@@ -124,7 +122,7 @@ class ModelRunner:
         self.attention = self.attention_backends[0]  # the first group's (the only one's, for most models)
         self.attention_impl = self.attention.name
         num_layers = len(model.layers)
-        layers_per_program = config.layers_per_program
+        layers_per_program = engine.layers_per_program
         if layers_per_program is None:
             layers_per_program = _default_layers_per_program(num_layers)
         if not 1 <= layers_per_program <= num_layers or num_layers % layers_per_program:
