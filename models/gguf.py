@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import os
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["dequantize", "get_architecture", "get_float", "get_metadata", "open_gguf", "require_metadata"]
+__all__ = ["PackedRows", "dequantize", "packed_rows", "get_architecture", "get_float", "get_metadata", "open_gguf", "require_metadata"]
 
 
 def open_gguf(reader_or_path):
@@ -95,3 +96,34 @@ def dequantize(tensor, name: str) -> np.ndarray:
                          f"gguf.quants cannot dequantize ({error}); re-quantize the file to a "
                          "supported type such as Q8_0 or F16") from error
     return np.asarray(w, np.float32).reshape(tuple(reversed([int(d) for d in tensor.shape])))
+
+
+class PackedRows(NamedTuple):
+    """A GGUF tensor's own block bytes, one row per output: u8[num_rows, row_bytes] in format
+    (cpu_kernels/quant_matmul.py), with shape the [out, in] shape it dequantizes to."""
+
+    rows: np.ndarray
+    format: str
+    shape: tuple[int, int]
+
+
+_FORMAT_OF_TYPE = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_0": "q4_1", "BF16": "bf16"}
+
+
+def packed_rows(tensor) -> PackedRows | None:
+    """The tensor's blocks as PackedRows when it is a 2-D tensor in a format the packed matmul
+    reads (Q8_0, Q4_1, BF16 as stored; Q4_0 as the Q4_1 it equals); None for any other."""
+    kind = tensor.tensor_type.name
+    if kind not in _FORMAT_OF_TYPE or len(tensor.shape) != 2:
+        return None
+    num_inputs, num_rows = (int(d) for d in tensor.shape)
+    rows = np.asarray(tensor.data).view(np.uint8).reshape(num_rows, -1)
+    if kind == "Q4_0":
+        # Q4_0 is d * (q - 8): Q4_1's d * q + m with m = -8 d, exact in f16 (a power-of-two multiple).
+        blocks = rows.reshape(num_rows, -1, 18)
+        d = blocks[..., :2].copy().view(np.float16)
+        m = (d.astype(np.float32) * -8).astype(np.float16)
+        if not np.all(np.isfinite(m)):
+            return None
+        rows = np.concatenate([blocks[..., :2], m.view(np.uint8), blocks[..., 2:]], axis=-1).reshape(num_rows, -1)
+    return PackedRows(np.ascontiguousarray(rows), _FORMAT_OF_TYPE[kind], (num_rows, num_inputs))

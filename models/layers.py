@@ -3,7 +3,8 @@ pre-norm residual block and the causal-LM stages the runner compiles.
 
 A family's own attention and decoder layer live in its package (models/llama/model.py,
 models/deepseek_v2/model.py) and are built from these. Weights are kept in einsum-friendly
-layouts (HF stores linear weights [out, in]; a family's loader transposes once at load time):
+layouts (HF stores linear weights [out, in]; a family's loader transposes once at load time),
+or packed in a block format (models/packed_weight.py: `linear` takes either):
 
 Einsum legend:
   B  batch                      T  query tokens
@@ -27,6 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from models.config import Llama3RopeScaling
+from models.packed_weight import embed_rows, linear, logits
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -102,9 +104,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = self.dtype
-        gate = jnp.einsum("...D,DF->...F", x, self.gate_proj[...].astype(dt))
-        up = jnp.einsum("...D,DF->...F", x, self.up_proj[...].astype(dt))
-        return jnp.einsum("...F,FD->...D", jax.nn.silu(gate) * up, self.down_proj[...].astype(dt))
+        gate = linear(x, self.gate_proj, dt)  # [..., F]
+        up = linear(x, self.up_proj, dt)
+        return linear(jax.nn.silu(gate) * up, self.down_proj, dt)  # [..., D]
 
 
 class PreNormBlock(nnx.Module):
@@ -137,12 +139,10 @@ class CausalLM(nnx.Module):
     param_partition_rules: ClassVar[Mapping[str, PartitionSpec]]
 
     def _embed(self, token_ids):
-        return jnp.take(self.embed_tokens[...], token_ids, axis=0).astype(self.config.dtype)
+        return embed_rows(self.embed_tokens, token_ids, self.config.dtype)
 
     def _logits(self, x):
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return jnp.einsum("...D,VD->...V", self.norm(x), head[...].astype(self.config.dtype),
-                          preferred_element_type=jnp.float32).astype(jnp.float32)
+        return logits(self.norm(x), self.embed_tokens if self.lm_head is None else self.lm_head)
 
     def embed(self, token_ids):
         """The step's hidden states before the first layer: [T, D] from token_ids i32[T]."""

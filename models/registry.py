@@ -28,6 +28,7 @@ from flax import nnx
 
 from models import deepseek_v2, llama
 from models.gguf import get_architecture
+from models.packed_weight import pack_model, weight_format
 from models.named_models import NAMED_MODELS, gguf_path
 from models.tokenizer import load_tokenizer
 from paged_jax.core.tokenizer import EMBEDDED_MODELS
@@ -51,7 +52,10 @@ class ModelFamily:
         is read.
       gguf_architectures: GGUF `general.architecture` values it serves (() when it reads no GGUF).
       read_gguf_config: (path or gguf.GGUFReader, dtype=None) -> config_class; None without GGUF.
-      load_gguf_checkpoint: (path, dtype=None, place=None) -> model; None without GGUF.
+      load_gguf_checkpoint: (path, dtype=None, place=None) -> model; None without GGUF. A family
+        whose layers take packed weights also takes weight_dtype= (it keeps a GGUF's blocks).
+      packed_weights: its layers take models.packed_weight.PackedWeight matrices (they call
+        models.packed_weight.linear), so LLM(weight_dtype=...) can store them in a block format.
     """
 
     name: str
@@ -63,6 +67,7 @@ class ModelFamily:
     gguf_architectures: tuple[str, ...] = ()
     read_gguf_config: Callable | None = None
     load_gguf_checkpoint: Callable | None = None
+    packed_weights: bool = False
 
     @property
     def param_partition_rules(self) -> Mapping:
@@ -74,7 +79,7 @@ class ModelFamily:
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("llama", ("LlamaForCausalLM",), llama.LlamaForCausalLM, llama.LlamaConfig, llama.PRESETS,
                 llama.load_hf_checkpoint, llama.GGUF_ARCHITECTURES, llama.read_gguf_config,
-                llama.load_gguf_checkpoint),
+                llama.load_gguf_checkpoint, packed_weights=True),
     ModelFamily("deepseek_v2", ("DeepseekV2ForCausalLM",), deepseek_v2.DeepseekV2ForCausalLM,
                 deepseek_v2.DeepseekV2Config, deepseek_v2.PRESETS, deepseek_v2.load_hf_checkpoint),
 )
@@ -119,7 +124,7 @@ def _placement(family: ModelFamily, placer) -> dict:
     return {"place": placer(family.param_partition_rules)}
 
 
-def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=None):
+def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=None, weight_dtype: str = "auto"):
     """The model `model=` names (see the module docstring for the forms it takes).
 
     Args:
@@ -130,16 +135,27 @@ def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=Non
       place: checkpoints only: paged_jax.sharding.param_placer(mesh), a placer that the family's
         rules turn into place(parameter name, host array) -> device array, called per tensor as
         it is read. Embedded presets are drawn on the default device and placed by the runner.
+      weight_dtype: models.packed_weight.WEIGHT_DTYPES: "auto" keeps what the checkpoint stores
+        (a GGUF's Q8_0 / Q4_1 / Q4_0 / BF16 blocks packed, a HF checkpoint's dtype, a preset's
+        dtype); "float32" stores float32 weights; "bfloat16" / "int8" pack every matrix as
+        bf16 / q8_0 blocks (the native CPU matmul reads them: cpu_kernels/quant_matmul.py).
     Raises:
       ValueError naming what is wrong: unknown name, missing file, unsupported architecture,
       or placing a family that has no tensor-parallel rules.
     """
+    weight_format(weight_dtype)  # ValueError for an unknown one
     if model in EMBEDDED_MODELS:
-        return build_preset(model, dtype=dtype, seed=seed)
+        family = next(f for f in FAMILIES if model in f.presets)
+        _check_packed(family, weight_dtype, place)
+        return pack_model(build_preset(model, dtype=dtype, seed=seed), weight_dtype)
     gguf = gguf_path(model)
     if gguf is not None:
         family = family_for_gguf_architecture(get_architecture(gguf))
-        return family.load_gguf_checkpoint(gguf, dtype=dtype, **_placement(family, place))
+        _check_packed(family, weight_dtype, place)
+        # On a mesh "auto" dequantizes: tensor parallelism splits float weights only.
+        keep = "float32" if weight_dtype == "auto" and place is not None else weight_dtype
+        kwargs = {"weight_dtype": keep} if family.packed_weights else {}
+        return family.load_gguf_checkpoint(gguf, dtype=dtype, **kwargs, **_placement(family, place))
     config_path = os.path.join(model, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"model={model!r} is not an embedded model {EMBEDDED_MODELS}, a named model "
@@ -148,7 +164,23 @@ def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=Non
         hf_config = json.load(fh)
     family = family_for_architectures(hf_config.get("architectures") or [
         a for f in FAMILIES if f.name == hf_config.get("model_type") for a in f.architectures])
-    return family.load_hf_checkpoint(model, dtype=dtype, **_placement(family, place))
+    _check_packed(family, weight_dtype, place)
+    param_dtype = {"float32": {"param_dtype": "float32"}}.get(weight_dtype, {})
+    loaded = family.load_hf_checkpoint(model, dtype=dtype, **param_dtype, **_placement(family, place))
+    return pack_model(loaded, weight_dtype)
+
+
+def _check_packed(family: ModelFamily, weight_dtype: str, place) -> None:
+    """ValueError when weight_dtype asks a family or a mesh for packed weights they cannot take
+    ("auto" asks only what they can: a mesh or a float-only family loads float weights)."""
+    if weight_dtype in ("float32", "auto"):
+        return
+    if not family.packed_weights:
+        raise ValueError(f"weight_dtype={weight_dtype!r}: {family.model_class.__name__}'s layers take float weights "
+                         "only; use weight_dtype='float32'")
+    if place is not None:
+        raise ValueError(f"weight_dtype={weight_dtype!r}: a tensor-parallel mesh splits float weights only; use "
+                         "weight_dtype='float32' with tensor_parallel_size > 1")
 
 
 __all__ = ["FAMILIES", "ModelFamily", "build_preset", "family_for_architectures", "family_for_gguf_architecture",

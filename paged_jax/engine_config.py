@@ -19,6 +19,9 @@ from paged_jax.core.hashing import HASH_FNS, get_hash_fn_by_name
 from paged_jax.core.kv_quant import (KV_CACHE_DTYPES, KV_CACHE_SCALINGS, check_key_offsets, check_kv_cache_scaling,
                                      check_scale, get_kv_quant_format)
 from paged_jax.core.offload import PREEMPTION_MODES, OffloadConfig
+
+# models.packed_weight.WEIGHT_DTYPES, repeated so this module stays jax-free (a test checks they agree).
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8")
 from paged_jax.core.page_codec import STORAGE_DTYPES
 
 # The attention implementations a config may name: paged_jax/attention/registry.py's
@@ -85,6 +88,9 @@ class EngineConfig:
                                        "engine; a disk tier needs one)")
     dtype: str | None = knob(None, "compute and KV dtype, e.g. float32 or bfloat16 (default: the checkpoint's; "
                              "tiny: float32)")
+    weight_dtype: str = knob("auto", "storage of the weight matrices: auto keeps the checkpoint's (a GGUF's "
+                             "Q8_0/Q4_1/Q4_0/BF16 blocks as they are, a HF checkpoint's dtype); float32; "
+                             "bfloat16 or int8 (q8_0 blocks) read by a native CPU matmul", choices=WEIGHT_DTYPES)
     attention_impl: str | None = knob(None, "attention implementation ('pallas' is the old name of 'triton'; "
                                       "default: triton on GPU, xla elsewhere)", choices=ATTENTION_IMPLS)
     interpret: bool = knob(False, "run the Pallas kernels in interpret mode (CPU runs of the kernel path)")
@@ -142,6 +148,8 @@ class EngineConfig:
         check_int("max_num_seqs", self.max_num_seqs, 1)
         check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, "0 turns it off")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype={self.weight_dtype!r} must be one of {WEIGHT_DTYPES}")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1, "or None for the model's")
         if self.num_blocks is not None:

@@ -9,7 +9,9 @@ The file itself is read by models/gguf.py (shared by every family and by the tok
 Two things differ from a HF directory:
 - llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute) interleaves the two
   rotary halves of every attn_q / attn_k head for its RoPE kernel; load undoes it.
-- Quantized weights dequantize to float32, so param_dtype defaults to "float32".
+- weight_dtype "auto" keeps Q8_0 / Q4_1 / Q4_0 / BF16 matrices in their own blocks
+  (models/packed_weight.py) and dequantizes any other type to float32; "float32" dequantizes
+  every tensor (param_dtype defaults to "float32"); "bfloat16" / "int8" repack it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import math
 import numpy as np
 
 from models.config import Llama3RopeScaling
-from models.gguf import dequantize, get_float, get_metadata, open_gguf, require_metadata
+from models.gguf import PackedRows, dequantize, get_float, get_metadata, open_gguf, packed_rows, require_metadata
 from models.llama.config import LlamaConfig
 from models.llama.hf import model_from_hf_tensors
 from models.llama.model import LlamaForCausalLM
+from models.packed_weight import pack_model
 
 __all__ = ["GGUF_ARCHITECTURES", "load_gguf_checkpoint", "read_gguf_config"]
 
@@ -158,14 +161,17 @@ def _unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, w.shape[0] // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf_checkpoint(path, dtype=None, param_dtype=None, place=None) -> LlamaForCausalLM:
+def load_gguf_checkpoint(path, dtype=None, param_dtype=None, place=None, weight_dtype: str = "auto") -> LlamaForCausalLM:
     """Load a llama GGUF file (any tensor type gguf.quants can dequantize) as a LlamaForCausalLM.
 
     Args:
       path: the .gguf file.
       dtype: compute dtype; defaults to param_dtype.
-      param_dtype: storage dtype of the weights; defaults to "float32".
+      param_dtype: storage dtype of the float weights; defaults to "float32".
       place: where each tensor goes (models.llama.hf.model_from_hf_tensors); default the default device.
+      weight_dtype: models.packed_weight.WEIGHT_DTYPES: "auto" keeps the file's Q8_0 / Q4_1 /
+        Q4_0 / BF16 matrices packed as they are (unless param_dtype asks for float weights);
+        "float32" dequantizes all.
     Returns:
       The model; its config is `model.config` (see read_gguf_config).
     Raises:
@@ -191,7 +197,18 @@ def load_gguf_checkpoint(path, dtype=None, param_dtype=None, place=None) -> Llam
         raise ValueError(f"{name} is missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} "
                          f"for a {num_layers}-layer llama")
 
-    def get_tensor(hf_name: str) -> np.ndarray:
+    if weight_dtype == "auto" and place is not None:
+        raise ValueError("a tensor-parallel mesh splits float weights only: load the GGUF with "
+                         "weight_dtype='float32'")
+    keep_packed = weight_dtype == "auto" and param_dtype is None  # an explicit param_dtype asks for floats
+
+    def get_tensor(hf_name: str) -> np.ndarray | PackedRows:
+        w = packed_rows(by_hf[hf_name]) if keep_packed else None
+        if w is not None:
+            if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = config.num_heads if hf_name.endswith("q_proj.weight") else config.num_kv_heads
+                w = w._replace(rows=_unpermute_rope_rows(w.rows, heads))
+            return w
         w = dequantize(by_hf[hf_name], name)
         if hf_name.endswith("q_proj.weight"):
             w = _unpermute_rope_rows(w, config.num_heads)
@@ -199,4 +216,4 @@ def load_gguf_checkpoint(path, dtype=None, param_dtype=None, place=None) -> Llam
             w = _unpermute_rope_rows(w, config.num_kv_heads)
         return w
 
-    return model_from_hf_tensors(config, get_tensor, place)
+    return pack_model(model_from_hf_tensors(config, get_tensor, place), weight_dtype)

@@ -21,7 +21,9 @@ from safetensors.flax import save_file
 
 from models.hf_checkpoint import SINGLE_FILE, hf_tensor_reader, read_hf_config, set_param, tensor_files
 from models.llama.config import LlamaConfig
+from models.gguf import PackedRows
 from models.llama.model import LlamaForCausalLM
+from models.packed_weight import packed_from_rows
 
 __all__ = ["load_hf_checkpoint", "model_from_hf_tensors", "save_hf_checkpoint"]
 
@@ -104,8 +106,9 @@ def model_from_hf_tensors(config: LlamaConfig, get_tensor: Callable[[str], Any],
       config: the model's shapes; decides which names are asked for (no lm_head.weight when
         tie_word_embeddings).
       get_tensor: HF tensor name -> array in HF layout (numpy or jax, any float dtype), e.g.
-        "model.layers.0.self_attn.q_proj.weight" -> [num_heads * head_dim, hidden_size]. Called
-        once per name, so it may read lazily.
+        "model.layers.0.self_attn.q_proj.weight" -> [num_heads * head_dim, hidden_size], or
+        models.gguf.PackedRows of that shape (kept packed). Called once per name, so it may
+        read lazily.
       place: optional (parameter name, host array in the model's layout and param_dtype) ->
         device array, e.g. paged_jax.sharding.param_placer(mesh)(PARAM_PARTITION_RULES) (what
         models.registry.load_model passes): each tensor goes straight to its devices, split,
@@ -122,6 +125,9 @@ def model_from_hf_tensors(config: LlamaConfig, get_tensor: Callable[[str], Any],
         if tuple(tensor.shape) != shape:
             raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)}, expected {shape} for this config")
         param = param_of(model)
+        if isinstance(tensor, PackedRows):  # a GGUF's blocks: rows are HF's [out, in] rows
+            set_param(param, packed_from_rows(tensor.rows, tensor.format, name.rsplit(".", 2)[-2], param.shape))
+            continue
         if place is None:
             value = jnp.asarray(from_hf(tensor)).astype(config.param_dtype)
         else:

@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from models.kv_cache_spec import FullAttentionSpec, KVCacheSpec, attention_spec
+from models.packed_weight import linear
 from models.layers import MASK_VALUE, MLP, CausalLM, PreNormBlock, RMSNorm, apply_rope, normal_param, rope_inv_freq
 from models.llama.config import LlamaConfig
 from paged_jax.sharding import TP_AXIS
@@ -68,17 +69,16 @@ class Attention(nnx.Module):
     def _qkv(self, x, positions):
         dt = self.config.dtype
         inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        q = jnp.einsum("...D,DNH->...NH", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("...D,DKH->...KH", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("...D,DKH->...KH", x, self.v_proj[...].astype(dt))
+        q = linear(x, self.q_proj, dt)  # [..., N, H]
+        k = linear(x, self.k_proj, dt)  # [..., K, H]
+        v = linear(x, self.v_proj, dt)
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def _out(self, attn):
         # One [T, N*H] x [N*H, D] matmul. As a contraction over two axes, XLA on CPU laid the
         # attention output out head-minor and so transposed the weight on every step (a
         # noticeable share of a decode step in bench_throughput's model).
-        n, h, d = self.o_proj.shape
-        return attn.reshape(*attn.shape[:-2], n * h) @ self.o_proj[...].astype(self.config.dtype).reshape(n * h, d)
+        return linear(attn, self.o_proj, self.config.dtype, num_in=2)
 
     def __call__(self, x, positions, kv_cache, attn_metadata, attention):
         """Paged attention over a ragged batch.

@@ -1,0 +1,154 @@
+"""Weights kept compact on the device: PackedWeight and the matmul every family calls.
+
+A model's linear weight is either a float array in the family's einsum layout (in axes first:
+q_proj [D, N, H], o_proj [N, H, D], gate_proj [D, F]; embeddings [V, D]) or a PackedWeight:
+the same logical weight as rows of a block format (cpu_kernels/quant_matmul.py: q8_0, q4_1,
+bf16), one row per output, each row the weight's inputs in order. `linear` and `embed_rows`
+take either, so a family's layer code reads the same for both; a GGUF's Q8_0 / Q4_1 / Q4_0 /
+BF16 tensors become PackedWeights with their bytes unchanged (Q4_0 rewritten as the Q4_1 it
+equals), and `pack_model` turns a float model's weights into a format (LLM(weight_dtype=...)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from cpu_kernels.quant_matmul import dequantize, pack, quant_matmul
+
+__all__ = ["WEIGHT_DTYPES", "PackedWeight", "embed_rows", "linear", "pack_model", "packed_formats", "weight_format"]
+
+# LLM(weight_dtype=...): auto keeps what the checkpoint stores (a GGUF's blocks as they are, a HF
+# checkpoint's dtype); the others store every linear weight and the embedding in one format.
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8")
+_FORMAT_OF = {"bfloat16": "bf16", "int8": "q8_0"}
+# Parameters whose inputs are their last axis (rows first, like HF); every other linear weight
+# has its inputs first (einsum layout), o_proj's over two axes.
+ROWS_FIRST = ("embed_tokens", "lm_head")
+_NUM_IN_AXES = {"o_proj": 2}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """A weight of logical `shape` stored as u8[num_rows, row_bytes] rows of `format`.
+
+    The rows are the weight's outputs in row-major order of the output axes, each holding the
+    inputs in row-major order of in_axes. `shape` is what the float weight's shape would be, so
+    a loader's shape checks and a family's `.shape` reads hold for both.
+    """
+
+    data: jax.Array  # u8[num_rows, row_bytes(format, num_inputs)]
+    format: str = dataclasses.field(metadata=dict(static=True))
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_inputs(self) -> int:
+        return math.prod(self.shape[a] for a in self.in_axes)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+    def dense(self, dtype=jnp.float32):
+        """The float weight in its einsum layout (for tests and the dense reference)."""
+        out_axes = [a for a in range(len(self.shape)) if a not in self.in_axes]
+        w = dequantize(self.data, self.format, self.num_inputs)
+        w = w.reshape(*(self.shape[a] for a in out_axes), *(self.shape[a] for a in self.in_axes))
+        order = np.argsort([*out_axes, *self.in_axes])
+        return w.transpose(order).astype(dtype)
+
+
+def _value(w):
+    return w.get_value() if isinstance(w, nnx.Variable) else w
+
+
+def linear(x, w, dtype, num_in: int = 1):
+    """x [..., *in] @ w [*in, *out] -> [..., *out] in dtype, w a float array or a PackedWeight.
+
+    Args:
+      x: activations whose last num_in axes are w's leading (input) axes.
+      w: an nnx.Param (or its value): a float array in einsum layout, or a PackedWeight whose
+        in_axes are its first num_in axes.
+      dtype: the compute dtype of the result (a packed matmul runs in f32 and is cast).
+    """
+    w = _value(w)
+    lead = x.shape[:x.ndim - num_in]
+    out_shape = w.shape[num_in:]
+    x2 = x.reshape(math.prod(lead), math.prod(x.shape[x.ndim - num_in:]))
+    if isinstance(w, PackedWeight):
+        y = quant_matmul(x2, w.data, w.format)
+    else:
+        y = x2 @ w.astype(dtype).reshape(x2.shape[1], -1)
+    return y.astype(dtype).reshape(*lead, *out_shape)
+
+
+def logits(x, head):
+    """f32[..., V] = x [..., D] @ head [V, D]^T (an embedding / lm_head, float or packed)."""
+    head = _value(head)
+    if isinstance(head, PackedWeight):
+        return quant_matmul(x.reshape(-1, x.shape[-1]), head.data, head.format).reshape(*x.shape[:-1], -1)
+    return jnp.einsum("...D,VD->...V", x, head.astype(x.dtype), preferred_element_type=jnp.float32).astype(jnp.float32)
+
+
+def embed_rows(table, token_ids, dtype):
+    """[..., D] rows token_ids selects from an embedding table [V, D], float or packed."""
+    table = _value(table)
+    if isinstance(table, PackedWeight):
+        return dequantize(jnp.take(table.data, token_ids, axis=0), table.format, table.shape[1]).astype(dtype)
+    return jnp.take(table, token_ids, axis=0).astype(dtype)
+
+
+def in_axes_of(name: str, ndim: int) -> tuple[int, ...]:
+    """The input axes of parameter `name` of ndim axes in the families' layouts."""
+    if name in ROWS_FIRST:
+        return (ndim - 1,)
+    return tuple(range(_NUM_IN_AXES.get(name, 1)))
+
+
+def packed_from_rows(rows, fmt: str, name: str, shape: tuple[int, ...]) -> PackedWeight:
+    """A PackedWeight of parameter `name` (logical `shape`) from u8[num_rows, row_bytes] rows."""
+    return PackedWeight(jnp.asarray(rows), fmt, tuple(int(s) for s in shape), in_axes_of(name, len(shape)))
+
+
+def weight_format(weight_dtype: str) -> str | None:
+    """The PackedWeight format weight_dtype stores linear weights in (None: float arrays)."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype={weight_dtype!r} is not one of {WEIGHT_DTYPES}")
+    return _FORMAT_OF.get(weight_dtype)
+
+
+def pack_model(model, weight_dtype: str):
+    """Store every 2-D-or-more float weight of model (linear weights, embeddings) in the format
+    weight_dtype names, in place; norms and other vectors stay float. Returns the model."""
+    fmt = weight_format(weight_dtype)
+    if fmt is None:
+        return model
+    for path, param in nnx.iter_graph(model):
+        if not isinstance(param, nnx.Param) or not path:
+            continue
+        value = param.get_value()
+        if isinstance(value, PackedWeight) or value.ndim < 2:
+            continue
+        name = str(path[-1])
+        in_axes = in_axes_of(name, value.ndim)
+        out_axes = [a for a in range(value.ndim) if a not in in_axes]
+        w = np.asarray(value, np.float32).transpose(*out_axes, *in_axes)
+        rows = w.reshape(math.prod(w.shape[:len(out_axes)]), -1)
+        param.set_value(packed_from_rows(pack(rows, fmt), fmt, name, value.shape))
+    return model
+
+
+def packed_formats(model) -> dict[str, int]:
+    """format -> bytes of the model's PackedWeights (empty for an all-float model)."""
+    sizes: dict[str, int] = {}
+    for leaf in jax.tree.leaves(nnx.state(model), is_leaf=lambda v: isinstance(v, PackedWeight)):
+        if isinstance(leaf, PackedWeight):
+            sizes[leaf.format] = sizes.get(leaf.format, 0) + leaf.nbytes
+    return sizes
