@@ -47,14 +47,14 @@ class CompileManager:
       shapes: every (T, S) a step can land in, smallest first (the warm-up order).
       compile_fn: (T, S) -> the bucket's programs (from shapes only: it runs on the warm-up
         thread and must not touch live, donated arrays).
-      token_buckets, seq_buckets: the sorted T and S values (choose_shape's candidates).
+      bucket_for: (num_tokens, num_seqs) -> the step's own (T, S)
+        (paged_jax.core.config.SchedulerConfig.bucket_for).
     """
 
-    def __init__(self, shapes: list[tuple[int, int]], compile_fn: Callable, token_buckets: list[int],
-                 seq_buckets: list[int]):
+    def __init__(self, shapes: list[tuple[int, int]], compile_fn: Callable,
+                 bucket_for: Callable[[int, int], tuple[int, int]]):
         self.shapes = list(shapes)
-        self.token_buckets = token_buckets
-        self.seq_buckets = seq_buckets
+        self.bucket_for = bucket_for
         self._compile_fn = compile_fn
         self.num_compilations = 0  # buckets compiled
         self._programs: dict[tuple[int, int], object] = {}
@@ -104,8 +104,7 @@ class CompileManager:
         thread is done) a step never pads up: its own bucket compiles on first use, or a
         decode would run in a prefill bucket forever. Always its own in a multi-process run:
         every process must run the same program."""
-        t = next(b for b in self.token_buckets if b >= num_tokens)
-        s = next(b for b in self.seq_buckets if b >= num_seqs)
+        t, s = self.bucket_for(num_tokens, num_seqs)
         with self._cond:
             if (t, s) in self._programs or not self._warming_up or jax.process_count() > 1:
                 return t, s

@@ -150,8 +150,7 @@ class ModelRunner:
             self.layer_params = [shard_params(params, mesh, rules) for params in self.layer_params]
             self.head_params = shard_params(self.head_params, mesh, rules)
         self.num_steps = 0
-        self.compiler = CompileManager(scheduler_config.bucket_shapes(), self._compile,
-                                       scheduler_config.token_buckets, scheduler_config.seq_buckets)
+        self.compiler = CompileManager(scheduler_config.bucket_shapes(), self._compile, scheduler_config.bucket_for)
 
     @property
     def kv_caches(self) -> list:

@@ -44,8 +44,7 @@ class KVWriteOnly(XlaAttention):
 
 def decode_inputs(runner: ModelRunner, num_seqs: int, context: tuple[int, int], rng) -> StepInputs:
     """One decode token per sequence; the last token of each context is this step's."""
-    t = next(b for b in runner.compiler.token_buckets if b >= num_seqs)
-    s = next(b for b in runner.compiler.seq_buckets if b >= num_seqs)
+    t, s = runner.compiler.bucket_for(num_seqs, num_seqs)
     bs = runner.cache_config.block_size
     seq_lens = np.zeros(s, np.int32)
     seq_lens[:num_seqs] = rng.integers(*context, num_seqs)

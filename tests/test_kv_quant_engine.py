@@ -153,7 +153,7 @@ def test_quantized_pool_is_sized_and_donated_in_place():
     assert [a.dtype.name for a in runner.kv_caches[0]] == ["uint8"] * 2 + ["float32"] * 2
     layer_cache_bytes = runner.pool.kv_cache_bytes // config.num_layers
     k = runner.layers_per_program
-    (t, s), = runner.bucket_shapes()
+    t, s = runner.bucket_shapes()[-1]  # the 16-token bucket (the smaller ones are decode batches)
     layer = runner.compiled_memory(t, s)["layer"]
     assert layer.alias_size_in_bytes == k * layer_cache_bytes
     # a dequantized f32 copy of one layer's pages would be 3.2x layer_cache_bytes

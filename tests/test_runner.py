@@ -65,19 +65,22 @@ def test_bucket_shapes_cover_every_reachable_step(max_num_seqs, max_num_batched_
     runner = make_runner(2, max_num_seqs, max_num_batched_tokens)
     shapes = runner.bucket_shapes()
     assert len(set(shapes)) == len(shapes)
-    compiler = runner.compiler
-    assert compiler.token_buckets[-1] == max_num_batched_tokens and compiler.seq_buckets[-1] == max_num_seqs
-    assert runner.compiler.token_buckets[0] == min(MIN_TOKEN_BUCKET, max_num_batched_tokens)
+    token_buckets = runner.scheduler_config.token_buckets
+    seq_buckets = runner.scheduler_config.seq_buckets
+    assert token_buckets[-1] == max_num_batched_tokens and seq_buckets[-1] == max_num_seqs
+    assert token_buckets[0] == min(MIN_TOKEN_BUCKET, max_num_batched_tokens)
+
+    def own_bucket(t, s):  # the rule, restated: sequences pad to the token bucket below MIN_SEQ_BUCKET
+        tb = _smallest_at_least(token_buckets, t)
+        floor = max(s, min(tb, MIN_SEQ_BUCKET))
+        return tb, seq_buckets[min(bisect.bisect_left(seq_buckets, floor), len(seq_buckets) - 1)]
+
     # every step the scheduler can produce: t tokens over 1..min(t, max_num_seqs) sequences
-    reachable = {
-        (_smallest_at_least(runner.compiler.token_buckets, t), _smallest_at_least(runner.compiler.seq_buckets, s))
-        for t in range(1, max_num_batched_tokens + 1)
-        for s in range(1, min(t, max_num_seqs) + 1)
-    }
+    reachable = {own_bucket(t, s) for t in range(1, max_num_batched_tokens + 1) for s in range(1, min(t, max_num_seqs) + 1)}
+    assert {runner.compiler.bucket_for(t, s) for t in range(1, max_num_batched_tokens + 1)
+            for s in range(1, min(t, max_num_seqs) + 1)} == reachable
     assert reachable == set(shapes), "warm-up compiles a shape no step uses, or misses one a step needs"
     assert runner.num_compilations == 0  # nothing compiles before warm_up or a step
-    if max_num_seqs >= MIN_SEQ_BUCKET:
-        assert runner.compiler.seq_buckets[0] == MIN_SEQ_BUCKET
 
 
 def test_warm_up_compiled_each_bucket_once(backend_compiles):

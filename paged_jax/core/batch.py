@@ -10,7 +10,6 @@ out of range. Imports no jax.
 
 from __future__ import annotations
 
-import bisect
 
 import numpy as np
 
@@ -25,12 +24,6 @@ def _seed_to_u32(seed: int) -> int:
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     x ^= x >> 31
     return (x ^ (x >> 32)) & 0xFFFFFFFF
-
-
-def _pick_bucket(buckets: list[int], n: int, what: str) -> int:
-    i = bisect.bisect_left(buckets, n)
-    assert i < len(buckets), f"{n} {what} exceed the largest bucket {buckets[-1]}: scheduler limits and buckets disagree"
-    return buckets[i]
 
 
 class StepInputsBuilder:
@@ -51,6 +44,7 @@ class StepInputsBuilder:
         self.num_groups = cache_config.num_kv_cache_groups
         self.token_buckets = scheduler_config.token_buckets
         self.seq_buckets = scheduler_config.seq_buckets
+        self.bucket_for = scheduler_config.bucket_for
         self._rng = np.random.default_rng(seed)
         self._row_of: dict[str, int] = {}
         self._free_rows: list[int] = []
@@ -156,8 +150,9 @@ class StepInputsBuilder:
         num_seqs, num_tokens = len(rows), len(token_ids)
         # The padded shape is a function of the batch alone (never of what has been compiled):
         # the same requests give the same inputs in every run and every process.
-        s_pad = _pick_bucket(self.seq_buckets, num_seqs, "sequences")
-        t_pad = _pick_bucket(self.token_buckets, num_tokens, "tokens")
+        assert num_tokens <= self.token_buckets[-1] and num_seqs <= self.seq_buckets[-1], \
+            f"{num_tokens} tokens / {num_seqs} sequences exceed the largest bucket: scheduler limits and buckets disagree"
+        t_pad, s_pad = self.bucket_for(num_tokens, num_seqs)
         bs = self.block_size
         rows = np.asarray(rows, np.intp)
         computed = np.asarray(num_computed, np.int32)

@@ -15,8 +15,12 @@ from dataclasses import dataclass
 
 from paged_jax.core.hashing import get_hash_fn_by_name
 
-# Smallest token / sequence buckets: below these, padding costs less than another compile.
-MIN_TOKEN_BUCKET = 16
+# Smallest token bucket: 1, so a single decode runs a 1-token program (padding one decode to 16
+# tokens made every layer's matmuls read the weights for 16 rows: 1.8x the step,
+# docs/BENCHMARKS.md section 17). Steps of fewer tokens than MIN_SEQ_BUCKET pad their
+# sequences to the token bucket (a decode batch of n has n of each); larger ones to at least
+# MIN_SEQ_BUCKET, so the prefill buckets do not multiply by every small sequence count.
+MIN_TOKEN_BUCKET = 1
 MIN_SEQ_BUCKET = 8
 
 
@@ -181,16 +185,24 @@ class SchedulerConfig:
 
     @property
     def seq_buckets(self) -> list[int]:
-        """Padded sequence counts a step can have."""
-        return make_buckets(self.max_num_seqs, min(self.min_seq_bucket, self.max_num_seqs))
+        """Padded sequence counts a step can have (bucket_for says which one a step gets)."""
+        return make_buckets(self.max_num_seqs, 1)
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The (T, S) a step of num_tokens tokens over num_seqs sequences pads to: T the
+        smallest token bucket >= num_tokens, S the smallest sequence bucket >= num_seqs and
+        >= min(T, min_seq_bucket). A function of the batch alone."""
+        t = next(b for b in self.token_buckets if b >= num_tokens)
+        floor = max(num_seqs, min(t, self.min_seq_bucket))
+        s = next((b for b in self.seq_buckets if b >= floor), self.max_num_seqs)
+        return t, s
 
     def bucket_shapes(self) -> list[tuple[int, int]]:
-        """Every (token bucket, sequence bucket) a step can land in: a step of t tokens has
-        between 1 and min(t, max_num_seqs) sequences."""
-        seq_buckets = self.seq_buckets
+        """Every (T, S) bucket_for can return: a step of t tokens has between 1 and
+        min(t, max_num_seqs) sequences."""
         shapes = []
         for t in self.token_buckets:
-            most = min(t, seq_buckets[-1])
-            top = next(s for s in seq_buckets if s >= most)
-            shapes += [(t, s) for s in seq_buckets if s <= top]
+            lowest = self.bucket_for(t, 1)[1]
+            highest = self.bucket_for(t, min(t, self.max_num_seqs))[1]
+            shapes += [(t, s) for s in self.seq_buckets if lowest <= s <= highest]
         return shapes
