@@ -51,6 +51,10 @@ def check_compile_cache_dir(path) -> None:
                          "if missing), or None to turn the cache off")
 
 
+# The persistent cache's size cap (least recently used programs go first).
+COMPILE_CACHE_MAX_BYTES = 8 << 30
+
+
 def enable_compile_cache(path) -> str | None:
     """Points jax's persistent compilation cache at `path` (see the module docstring for
     "auto" and None). Returns the directory compilations are cached in (None: off)."""
@@ -58,6 +62,12 @@ def enable_compile_cache(path) -> str | None:
         return None
     import jax
 
+    if jax.config.jax_compilation_cache_max_size == -1:
+        # With no size cap jax writes cache files in place and reads them unlocked: a program
+        # read while the warm-up thread (or another process) is still writing the same key is
+        # read truncated, and deserializing it crashed the process. A cap turns on jax's LRU
+        # eviction and with it a file lock around every read and write.
+        jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)
     current = jax.config.jax_compilation_cache_dir
     if path == AUTO_COMPILE_CACHE:
         if current:
