@@ -55,9 +55,14 @@ def check_compile_cache_dir(path) -> None:
 COMPILE_CACHE_MAX_BYTES = 8 << 30
 
 
-def enable_compile_cache(path) -> str | None:
+def enable_compile_cache(path, num_processes: int = 1) -> str | None:
     """Points jax's persistent compilation cache at `path` (see the module docstring for
-    "auto" and None). Returns the directory compilations are cached in (None: off)."""
+    "auto" and None). Returns the directory compilations are cached in (None: off).
+
+    A run of num_processes > 1 (jax.distributed) caches in a subdirectory of its own: jax's
+    cache key does not tell a program compiled for a multi-process mesh from the same HLO
+    compiled in one process, and a single-process run that read such an entry crashed while
+    deserializing it."""
     if path is None:
         return None
     import jax
@@ -74,6 +79,8 @@ def enable_compile_cache(path) -> str | None:
             return current  # the user's (or an earlier engine's) cache, with its thresholds
         path = default_compile_cache_dir()
     path = os.path.abspath(os.fspath(path))
+    if num_processes > 1:
+        path = os.path.join(path, f"{num_processes}-processes")
     if current and os.path.abspath(current) != path:
         raise ValueError(f"compile_cache_dir={path!r}, but this process already caches compilations in "
                          f"{current!r} (jax's setting is process-wide); pass that directory, 'auto' (the default: use "

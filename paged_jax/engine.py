@@ -47,7 +47,7 @@ class LLMEngine:
         (jax.distributed) or explicit devices, the engine runs on a "tp" Mesh over them.
         """
         self.config = c = config
-        enable_compile_cache(c.compile_cache_dir)
+        enable_compile_cache(c.compile_cache_dir, jax.process_count())
         self.mesh = None
         check_multiprocess_config(c.tensor_parallel_size, c.data_parallel_size)
         if c.tensor_parallel_size > 1 or devices is not None or jax.process_count() > 1:
