@@ -9,15 +9,7 @@ if "PAGED_JAX_COMPILE_CACHE_DIR" not in os.environ:
 
     os.environ["PAGED_JAX_COMPILE_CACHE_DIR"] = tempfile.mkdtemp(prefix="paged_jax_test_xla_")
 
-import jax
-
-# In this process the persistent cache stays off: after the subprocess-heavy half of the suite,
-# reading back an entry crashed jax while deserializing it (a segfault in
-# compilation_cache.get_executable_and_time, always at the same test, never in a subset of the
-# files; not found by 2026-12-02). The subprocess tests still use and check the cache.
-jax.config.update("jax_enable_compilation_cache", False)
-
-from hypothesis import settings  # noqa: E402
+from hypothesis import settings
 
 # CI runs the stateful tests for thousands of steps; locally a shorter run keeps the loop fast.
 settings.register_profile("ci", max_examples=200, deadline=None)
