@@ -1,23 +1,32 @@
 // y[M, N] = x[M, K] @ W[N, K]^T with W kept in a compact format and dequantized inside the
-// dot product, a row block at a time, never as a whole f32 copy (cpu_kernels/quant_matmul.py
-// is the public entry and holds the numpy reference).
+// dot product, never as a whole f32 copy (cpu_kernels/quant_matmul.py is the public entry,
+// defines the layouts and holds the numpy reference).
 //
-// Formats (one weight row = K inputs of one output; GGUF's own block bytes, unchanged):
-//   q8_0: K/32 blocks of 34 bytes: f16 d, int8 q[32];           w = d * q
-//   q4_1: K/32 blocks of 20 bytes: f16 d, f16 m, u8 qs[16];     w = d * q + m,
-//         q[j] = qs[j] & 15, q[j + 16] = qs[j] >> 4
-//   bf16: K u16 (bfloat16 bits);                                 w = bf16 -> f32
+// Layouts. bf16: one row of K u16 (bfloat16 bits) per output. q8_0 and q4_1 hold GGUF's block
+// values (32 inputs a block, an f16 scale d, q4_1 an f16 min m) rearranged in tiles of 16
+// output rows, so one 512-bit register holds the same inputs of 16 rows: data[t] is tile t
+// (rows 16t..16t+15), its K/32 tile blocks back to back; a tile block b, for lane i (row) and
+// byte u (0..3) of each 32-bit lane of its L-th 64-byte load:
+//   q8_0 (544 B): f16 d[16], then 8 loads:  byte = q[i][32b + 4L + u] ^ 0x80      (q + 128)
+//   q4_1 (320 B): f16 d[16], f16 m[16], then 4 loads: low nibble = q[i][32b + 4L + u],
+//                 high nibble = q[i][32b + 16 + 4L + u]                         (w = d q + m)
 //
-// Exact mode only: activations stay f32 and every product is f32, so the result is the f32
-// dequantized matmul up to summation order (q4_1 sums d * (x . q) + m * sum(x) per block).
+// Two kinds of activations:
+//   f32 (exact): every product is f32 of the dequantized value, so the result is the f32
+//     matmul of the dequantized weight up to summation order.
+//   i8 (llama.cpp's way): x is quantized per block of 32 to int8 with scale amax / 127 (round
+//     half to even), and each block's integer dot runs on AVX-512 VNNI (vpdpbusd): the weight's
+//     bytes are the unsigned operand, x's the signed one. Integer sums are exact; the only
+//     loss is x's rounding (docs/BENCHMARKS.md measures its quality).
 //
-// Rows of W are split over XLA's intra-op thread pool; each task takes chunks of rows from an
+// Tiles are split over XLA's intra-op thread pool; each task takes chunks of tiles from an
 // atomic counter and the calling thread works too, so no task ever waits for another.
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -28,9 +37,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kBlock = 32;     // elements per q8_0 / q4_1 block
-constexpr int64_t kMaxRows = 4;    // x rows sharing one unpacked weight block
-constexpr int64_t kChunkRows = 32; // weight rows a task takes at once
+constexpr int64_t kBlock = 32;      // inputs per q8_0 / q4_1 block
+constexpr int64_t kTile = 16;       // output rows per tile
+constexpr int kMaxRows = 4;         // x rows sharing one pass over a tile
+constexpr int64_t kChunkTiles = 2;  // tiles a task takes at once
+
+enum Format { kQ8_0 = 0, kQ4_1 = 1, kBF16 = 2 };
+enum Acts { kF32 = 0, kI8 = 1 };
+
+constexpr int64_t tile_block_bytes(int format) { return format == kQ8_0 ? 544 : 320; }
 
 inline float f16_to_f32(const uint8_t* p) {
   uint16_t h;
@@ -38,173 +53,339 @@ inline float f16_to_f32(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// One output row n for r (<= kMaxRows) rows of x: out[i] = sum_k x[i][k] * w[n][k].
-template <int kFormat>
-void row_dot(const float* x, int64_t ldx, const float* xs, int r, const uint8_t* w, int64_t k, float* out);
-
-enum Format { kQ8_0 = 0, kQ4_1 = 1, kBF16 = 2 };
-
-#if defined(__AVX512F__)
-constexpr bool kNeedsBlockSums = false;  // the AVX-512 q4_1 loop sums x per block itself
-#else
-constexpr bool kNeedsBlockSums = true;
-#endif
-
-#if defined(__AVX512F__)
-inline __m512 bcast_f16(const uint8_t* p) { return _mm512_set1_ps(f16_to_f32(p)); }
-
-template <>
-void row_dot<kQ8_0>(const float* x, int64_t ldx, const float* xs, int r, const uint8_t* w, int64_t k, float* out) {
-  // Two accumulators per row (even and odd blocks) so consecutive FMAs do not wait on each other.
-  __m512 acc[2][kMaxRows];
-  for (int i = 0; i < kMaxRows; ++i) acc[0][i] = acc[1][i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < k / kBlock; ++b, w += 34) {
-    const __m512 d = bcast_f16(w);
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 2))));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(w + 18))));
-    __m512* a = acc[b & 1];
-    for (int i = 0; i < r; ++i) {
-      const float* xb = x + i * ldx + b * kBlock;
-      __m512 t = _mm512_mul_ps(_mm512_loadu_ps(xb), q0);
-      t = _mm512_fmadd_ps(_mm512_loadu_ps(xb + 16), q1, t);
-      a[i] = _mm512_fmadd_ps(t, d, a[i]);
-    }
-  }
-  for (int i = 0; i < r; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][i], acc[1][i]));
-}
-
-template <>
-void row_dot<kQ4_1>(const float* x, int64_t ldx, const float* xs, int r, const uint8_t* w, int64_t k, float* out) {
-  // Per block: d * (x . q) and m * x (summed at the end) into vector accumulators; even and
-  // odd blocks accumulate apart (see q8_0).
-  __m512 acc[2][kMaxRows];
-  __m512 mins[2][kMaxRows];
-  for (int i = 0; i < kMaxRows; ++i) acc[0][i] = acc[1][i] = mins[0][i] = mins[1][i] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi32(15);
-  const int64_t num_blocks = k / kBlock;
-  for (int64_t b = 0; b < num_blocks; ++b, w += 20) {
-    const __m512 d = bcast_f16(w);
-    const __m512 m = bcast_f16(w + 2);
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(w + 4)));
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, nibble));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
-    __m512* a = acc[b & 1];
-    __m512* mn = mins[b & 1];
-    for (int i = 0; i < r; ++i) {
-      const float* xb = x + i * ldx + b * kBlock;
-      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-      __m512 t = _mm512_fmadd_ps(x1, hi, _mm512_mul_ps(x0, lo));
-      a[i] = _mm512_fmadd_ps(t, d, a[i]);
-      mn[i] = _mm512_fmadd_ps(_mm512_add_ps(x0, x1), m, mn[i]);
-    }
-  }
-  for (int i = 0; i < r; ++i)
-    out[i] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0][i], acc[1][i]), _mm512_add_ps(mins[0][i], mins[1][i])));
-}
-
-template <>
-void row_dot<kBF16>(const float* x, int64_t ldx, const float* xs, int r, const uint8_t* w, int64_t k, float* out) {
-  __m512 acc[kMaxRows];
-  for (int i = 0; i < kMaxRows; ++i) acc[i] = _mm512_setzero_ps();
-  const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
-  for (int64_t j = 0; j < k; j += 16) {
-    const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(wb + j)));
-    const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
-    for (int i = 0; i < r; ++i) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x + i * ldx + j), wv, acc[i]);
-  }
-  for (int i = 0; i < r; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
-}
-#else
-// Portable loops (the compiler vectorizes them for the machine it builds on).
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
-template <>
-void row_dot<kQ8_0>(const float* x, int64_t ldx, const float* xs, int r, const uint8_t* w, int64_t k, float* out) {
-  for (int i = 0; i < r; ++i) out[i] = 0;
-  for (int64_t b = 0; b < k / kBlock; ++b, w += 34) {
-    const float d = f16_to_f32(w);
-    const int8_t* q = reinterpret_cast<const int8_t*>(w + 2);
-    for (int i = 0; i < r; ++i) {
-      const float* xb = x + i * ldx + b * kBlock;
-      float t = 0;
-      for (int j = 0; j < kBlock; ++j) t += xb[j] * float(q[j]);
-      out[i] += d * t;
-    }
-  }
-}
-
-template <>
-void row_dot<kQ4_1>(const float* x, int64_t ldx, const float* xs, int r, const uint8_t* w, int64_t k, float* out) {
-  for (int i = 0; i < r; ++i) out[i] = 0;
-  for (int64_t b = 0; b < k / kBlock; ++b, w += 20) {
-    const float d = f16_to_f32(w), m = f16_to_f32(w + 2);
-    const uint8_t* qs = w + 4;
-    for (int i = 0; i < r; ++i) {
-      const float* xb = x + i * ldx + b * kBlock;
-      float t = 0;
-      for (int j = 0; j < 16; ++j) t += xb[j] * float(qs[j] & 15) + xb[j + 16] * float(qs[j] >> 4);
-      out[i] += d * t + m * xs[i * (k / kBlock) + b];
-    }
-  }
-}
-
-template <>
-void row_dot<kBF16>(const float* x, int64_t ldx, const float* xs, int r, const uint8_t* w, int64_t k, float* out) {
-  const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
-  for (int i = 0; i < r; ++i) {
-    float t = 0;
-    for (int64_t j = 0; j < k; ++j) t += x[i * ldx + j] * bf16_to_f32(wb[j]);
-    out[i] = t;
-  }
-}
-#endif
-
-constexpr int64_t row_bytes(int format, int64_t k) {
-  return format == kQ8_0 ? k / kBlock * 34 : format == kQ4_1 ? k / kBlock * 20 : k * 2;
-}
-
 struct Work {
   const float* x;
-  std::unique_ptr<float[]> xs;  // [m, k / kBlock] block sums of x (portable q4_1's min term)
   const uint8_t* w;
   float* y;
-  int64_t m, n, k;
+  int64_t m, n, k, num_tiles;
+  std::unique_ptr<float[]> xsum;   // [m, k / 32] block sums of x (f32 activations)
+  std::unique_ptr<int8_t[]> xq;    // [m, k] x quantized (i8 activations)
+  std::unique_ptr<float[]> xd;     // [m, k / 32] its scales
+  std::unique_ptr<int32_t[]> xqs;  // [m, k / 32] sums of its quantized values
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
 
+// out[i][lane] for r rows of x (rows i0..i0+r-1) and one tile's 16 outputs.
+template <int kFormat, int kActs>
+void tile_dot(const Work& wk, const uint8_t* tile, int64_t i0, int r, float (*out)[kTile]);
+
+// Portable version of every (format, activations) pair: each tile block is unpacked into
+// plain arrays first (the compiler vectorizes the loops for the machine it builds on).
 template <int kFormat>
-void run_chunks(Work& work) {
-  const int64_t stride = row_bytes(kFormat, work.k);
-  const int64_t num_chunks = (work.n + kChunkRows - 1) / kChunkRows;
-  float out[kMaxRows];
-  for (int64_t c; (c = work.next.fetch_add(1)) < num_chunks;) {
-    const int64_t n1 = std::min(work.n, (c + 1) * kChunkRows);
-    for (int64_t i0 = 0; i0 < work.m; i0 += kMaxRows) {
-      const int r = int(std::min<int64_t>(kMaxRows, work.m - i0));
-      for (int64_t n = c * kChunkRows; n < n1; ++n) {
-        row_dot<kFormat>(work.x + i0 * work.k, work.k, work.xs.get() + i0 * (work.k / kBlock), r, work.w + n * stride, work.k, out);
-        for (int i = 0; i < r; ++i) work.y[(i0 + i) * work.n + n] = out[i];
+void unpack_block(const uint8_t* p, float* d, float* m, int32_t (*q)[kBlock]) {
+  for (int i = 0; i < kTile; ++i) {
+    d[i] = f16_to_f32(p + 2 * i);
+    m[i] = kFormat == kQ4_1 ? f16_to_f32(p + 32 + 2 * i) : 0.0f;
+  }
+  const uint8_t* qs = p + (kFormat == kQ8_0 ? 32 : 64);
+  const int loads = kFormat == kQ8_0 ? 8 : 4;
+  for (int L = 0; L < loads; ++L)
+    for (int i = 0; i < kTile; ++i)
+      for (int u = 0; u < 4; ++u) {
+        const uint8_t byte = qs[L * 64 + i * 4 + u];
+        if (kFormat == kQ8_0) {
+          q[i][4 * L + u] = int32_t(byte) - 128;
+        } else {
+          q[i][4 * L + u] = byte & 15;
+          q[i][16 + 4 * L + u] = byte >> 4;
+        }
+      }
+}
+
+template <int kFormat, int kActs>
+void tile_dot_portable(const Work& wk, const uint8_t* tile, int64_t i0, int r, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  float d[kTile], m[kTile];
+  int32_t q[kTile][kBlock];
+  for (int i = 0; i < r; ++i)
+    for (int l = 0; l < kTile; ++l) out[i][l] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    unpack_block<kFormat>(tile + b * tile_block_bytes(kFormat), d, m, q);
+    for (int i = 0; i < r; ++i) {
+      const int64_t row = i0 + i;
+      for (int l = 0; l < kTile; ++l) {
+        if (kActs == kF32) {
+          const float* xb = wk.x + row * wk.k + b * kBlock;
+          float t = 0.0f;
+          for (int j = 0; j < kBlock; ++j) t += float(q[l][j]) * xb[j];
+          out[i][l] += d[l] * t + m[l] * wk.xsum[row * nb + b];
+        } else {
+          const int8_t* xb = wk.xq.get() + row * wk.k + b * kBlock;
+          int32_t t = 0;
+          for (int j = 0; j < kBlock; ++j) t += q[l][j] * int32_t(xb[j]);
+          const float dx = wk.xd[row * nb + b];
+          out[i][l] += float(t) * (d[l] * dx) + m[l] * (dx * float(wk.xqs[row * nb + b]));
+        }
       }
     }
-    work.done.fetch_add(1, std::memory_order_release);
   }
 }
 
-template <int kFormat>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load_f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+template <int r>
+void avx_q4_1_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m512i nibble = _mm512_set1_epi32(15);
+  __m512 acc[r];
+  for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = tile + b * 320;
+    const __m512 d = load_f16x16(p), m = load_f16x16(p + 32);
+    // Four chains a row (low / high nibbles, even / odd bytes) so FMAs do not wait on each other.
+    __m512 part[r][4];
+    for (int i = 0; i < r; ++i) part[i][0] = part[i][1] = part[i][2] = part[i][3] = _mm512_setzero_ps();
+    for (int L = 0; L < 4; ++L) {
+      const __m512i v = _mm512_loadu_si512(p + 64 + 64 * L);
+      for (int u = 0; u < 4; ++u) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * u), nibble));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * u + 4), nibble));
+        for (int i = 0; i < r; ++i) {
+          const float* xb = wk.x + (i0 + i) * wk.k + b * kBlock;
+          part[i][u & 1] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[4 * L + u]), part[i][u & 1]);
+          part[i][2 + (u & 1)] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[16 + 4 * L + u]), part[i][2 + (u & 1)]);
+        }
+      }
+    }
+    for (int i = 0; i < r; ++i) {
+      const __m512 dot = _mm512_add_ps(_mm512_add_ps(part[i][0], part[i][1]), _mm512_add_ps(part[i][2], part[i][3]));
+      acc[i] = _mm512_fmadd_ps(dot, d, acc[i]);
+      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(wk.xsum[(i0 + i) * nb + b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < r; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+template <int r>
+void avx_q8_0_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512 acc[r];
+  for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = tile + b * 544;
+    const __m512 d = load_f16x16(p);
+    __m512 part[r][2];
+    for (int i = 0; i < r; ++i) part[i][0] = part[i][1] = _mm512_setzero_ps();
+    for (int L = 0; L < 8; ++L) {
+      // The stored byte is q ^ 0x80: flipped back, each byte sign-extends to q exactly.
+      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(p + 32 + 64 * L), flip);
+      for (int u = 0; u < 4; ++u) {
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * u), 24));
+        for (int i = 0; i < r; ++i) {
+          const float* xb = wk.x + (i0 + i) * wk.k + b * kBlock;
+          part[i][u & 1] = _mm512_fmadd_ps(q, _mm512_set1_ps(xb[4 * L + u]), part[i][u & 1]);
+        }
+      }
+    }
+    for (int i = 0; i < r; ++i) acc[i] = _mm512_fmadd_ps(_mm512_add_ps(part[i][0], part[i][1]), d, acc[i]);
+  }
+  for (int i = 0; i < r; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int r>
+void avx_q4_1_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m512i nibble = _mm512_set1_epi8(15);
+  __m512 acc[r];
+  for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = tile + b * 320;
+    const __m512 d = load_f16x16(p), m = load_f16x16(p + 32);
+    __m512i dot[r][2];
+    for (int i = 0; i < r; ++i) dot[i][0] = dot[i][1] = _mm512_setzero_si512();
+    for (int L = 0; L < 4; ++L) {
+      const __m512i v = _mm512_loadu_si512(p + 64 + 64 * L);
+      const __m512i lo = _mm512_and_si512(v, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      for (int i = 0; i < r; ++i) {
+        const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
+        dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], lo, bcast4(xb + 4 * L));
+        dot[i][1] = _mm512_dpbusd_epi32(dot[i][1], hi, bcast4(xb + 16 + 4 * L));
+      }
+    }
+    for (int i = 0; i < r; ++i) {
+      const int64_t at = (i0 + i) * nb + b;
+      const float dx = wk.xd[at];
+      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[i][0], dot[i][1]));
+      acc[i] = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[i]);
+      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * float(wk.xqs[at])), acc[i]);
+    }
+  }
+  for (int i = 0; i < r; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+template <int r>
+void avx_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  __m512 acc[r];
+  for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = tile + b * 544;
+    const __m512 d = load_f16x16(p);
+    __m512i dot[r][2];
+    for (int i = 0; i < r; ++i) dot[i][0] = dot[i][1] = _mm512_setzero_si512();
+    for (int L = 0; L < 8; ++L) {
+      const __m512i v = _mm512_loadu_si512(p + 32 + 64 * L);  // q + 128, unsigned
+      for (int i = 0; i < r; ++i) {
+        const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
+        dot[i][L & 1] = _mm512_dpbusd_epi32(dot[i][L & 1], v, bcast4(xb + 4 * L));
+      }
+    }
+    for (int i = 0; i < r; ++i) {
+      const int64_t at = (i0 + i) * nb + b;
+      // sum((q + 128) * xq) - 128 * sum(xq) = sum(q * xq), exactly.
+      const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(dot[i][0], dot[i][1]), _mm512_set1_epi32(128 * wk.xqs[at]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(wk.xd[at])), acc[i]);
+    }
+  }
+  for (int i = 0; i < r; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+#endif
+
+// The kernel of each (format, activations): the AVX-512 loops where this build has them,
+// with r (the rows of x) a template argument so that their accumulators stay in registers.
+#define PJ_TILE_DOT(format, acts, fn, available)                                                     \
+  template <>                                                                                       \
+  void tile_dot<format, acts>(const Work& wk, const uint8_t* tile, int64_t i0, int r, float (*out)[kTile]) { \
+    if (!(available)) return tile_dot_portable<format, acts>(wk, tile, i0, r, out);                 \
+    switch (r) {                                                                                    \
+      case 1: return fn<1>(wk, tile, i0, out);                                                      \
+      case 2: return fn<2>(wk, tile, i0, out);                                                      \
+      case 3: return fn<3>(wk, tile, i0, out);                                                      \
+      default: return fn<4>(wk, tile, i0, out);                                                     \
+    }                                                                                               \
+  }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kHasAvx512 = true;
+#else
+constexpr bool kHasAvx512 = false;
+template <int r> void avx_q4_1_f32(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
+template <int r> void avx_q8_0_f32(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kHasVnni = true;
+#else
+constexpr bool kHasVnni = false;
+template <int r> void avx_q4_1_i8(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
+template <int r> void avx_q8_0_i8(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
+#endif
+
+PJ_TILE_DOT(kQ4_1, kF32, avx_q4_1_f32, kHasAvx512)
+PJ_TILE_DOT(kQ8_0, kF32, avx_q8_0_f32, kHasAvx512)
+PJ_TILE_DOT(kQ4_1, kI8, avx_q4_1_i8, kHasVnni)
+PJ_TILE_DOT(kQ8_0, kI8, avx_q8_0_i8, kHasVnni)
+
+// bf16 rows (not tiled): out[i][l] for the 16 rows 16t.. of the row-major weight.
+template <>
+void tile_dot<kBF16, kF32>(const Work& wk, const uint8_t* tile, int64_t i0, int r, float (*out)[kTile]) {
+  const int64_t rows = std::min<int64_t>(kTile, wk.n - (tile - wk.w) / (2 * wk.k));
+  for (int64_t l = 0; l < rows; ++l) {
+    const uint16_t* wb = reinterpret_cast<const uint16_t*>(tile) + l * wk.k;
+#if defined(__AVX512F__)
+    __m512 acc[kMaxRows];
+    for (int i = 0; i < kMaxRows; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < wk.k; j += 16) {
+      const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(wb + j)));
+      const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+      for (int i = 0; i < r; ++i) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(wk.x + (i0 + i) * wk.k + j), wv, acc[i]);
+    }
+    for (int i = 0; i < r; ++i) out[i][l] = _mm512_reduce_add_ps(acc[i]);
+#else
+    for (int i = 0; i < r; ++i) {
+      float t = 0.0f;
+      for (int64_t j = 0; j < wk.k; ++j) {
+        uint32_t bits = uint32_t(wb[j]) << 16;
+        float f;
+        std::memcpy(&f, &bits, 4);
+        t += wk.x[(i0 + i) * wk.k + j] * f;
+      }
+      out[i][l] = t;
+    }
+#endif
+  }
+}
+
+constexpr int64_t tile_bytes(int format, int64_t k) {
+  return format == kBF16 ? kTile * k * 2 : k / kBlock * tile_block_bytes(format);
+}
+
+template <int kFormat, int kActs>
+void run_chunks(Work& wk) {
+  const int64_t stride = tile_bytes(kFormat, wk.k);
+  const int64_t num_chunks = (wk.num_tiles + kChunkTiles - 1) / kChunkTiles;
+  float out[kMaxRows][kTile];
+  for (int64_t c; (c = wk.next.fetch_add(1)) < num_chunks;) {
+    const int64_t t1 = std::min(wk.num_tiles, (c + 1) * kChunkTiles);
+    for (int64_t i0 = 0; i0 < wk.m; i0 += kMaxRows) {
+      const int r = int(std::min<int64_t>(kMaxRows, wk.m - i0));
+      for (int64_t t = c * kChunkTiles; t < t1; ++t) {
+        tile_dot<kFormat, kActs>(wk, wk.w + t * stride, i0, r, out);
+        const int64_t lanes = std::min<int64_t>(kTile, wk.n - t * kTile);
+        for (int i = 0; i < r; ++i) std::memcpy(wk.y + (i0 + i) * wk.n + t * kTile, out[i], lanes * sizeof(float));
+      }
+    }
+    wk.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+// x's per-block side inputs: block sums (f32 activations) or its int8 quantization.
+template <int kActs>
+void prepare_x(Work& wk) {
+  const int64_t nb = wk.k / kBlock, blocks = wk.m * nb;
+  if (kActs == kF32) {
+    wk.xsum.reset(new float[blocks]);
+    for (int64_t a = 0; a < blocks; ++a) {
+      float s = 0.0f;
+      for (int j = 0; j < kBlock; ++j) s += wk.x[a * kBlock + j];
+      wk.xsum[a] = s;
+    }
+    return;
+  }
+  wk.xq.reset(new int8_t[wk.m * wk.k]);
+  wk.xd.reset(new float[blocks]);
+  wk.xqs.reset(new int32_t[blocks]);
+  for (int64_t a = 0; a < blocks; ++a) {
+    const float* xb = wk.x + a * kBlock;
+    float amax = 0.0f;
+    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t s = 0;
+    for (int j = 0; j < kBlock; ++j) {
+      const int32_t q = int32_t(std::nearbyint(xb[j] * id));  // half to even (the default mode)
+      wk.xq[a * kBlock + j] = int8_t(q);
+      s += q;
+    }
+    wk.xd[a] = d;
+    wk.xqs[a] = s;
+  }
+}
+
+template <int kFormat, int kActs>
 ffi::Error quant_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
                         ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2) return ffi::Error::InvalidArgument("x and w must be 2-D");
-  const int64_t m = xd[0], k = xd[1], n = wd[0];
-  if ((kFormat != kBF16 && k % kBlock) || (kFormat == kBF16 && k % 16) || wd[1] != row_bytes(kFormat, k))
-    return ffi::Error::InvalidArgument("w's row bytes do not match x's inner dimension for this format");
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument("x, w and y must be 2-D");
+  const int64_t m = xd[0], k = xd[1], n = yd[1];
+  const int64_t num_tiles = kFormat == kBF16 ? (n + kTile - 1) / kTile : wd[0];
+  if (k % kBlock || yd[0] != m || n > num_tiles * kTile || n <= (num_tiles - 1) * kTile)
+    return ffi::Error::InvalidArgument("x, w and y's shapes do not fit one another");
+  if (kFormat == kBF16 ? (wd[0] != n || wd[1] != 2 * k) : wd[1] != tile_bytes(kFormat, k))
+    return ffi::Error::InvalidArgument("w's bytes do not match x's inner dimension for this format");
   auto work = std::make_shared<Work>();
   work->x = x.typed_data();
   work->w = w.typed_data();
@@ -212,18 +393,12 @@ ffi::Error quant_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   work->m = m;
   work->n = n;
   work->k = k;
-  if (kFormat == kQ4_1 && kNeedsBlockSums) {
-    work->xs.reset(new float[m * (k / kBlock)]);
-    for (int64_t i = 0; i < m * (k / kBlock); ++i) {
-      float s = 0;
-      for (int j = 0; j < kBlock; ++j) s += work->x[i * kBlock + j];
-      work->xs[i] = s;
-    }
-  }
-  const int64_t num_chunks = (n + kChunkRows - 1) / kChunkRows;
+  work->num_tiles = num_tiles;
+  if (kFormat != kBF16) prepare_x<kActs>(*work);
+  const int64_t num_chunks = (num_tiles + kChunkTiles - 1) / kChunkTiles;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_chunks - 1);
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { run_chunks<kFormat>(*work); });
-  run_chunks<kFormat>(*work);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { run_chunks<kFormat, kActs>(*work); });
+  run_chunks<kFormat, kActs>(*work);
   // A helper that starts late finds no chunk left and only drops its reference to work.
   while (work->done.load(std::memory_order_acquire) < num_chunks) _mm_pause();
   return ffi::Error::Success();
@@ -231,14 +406,16 @@ ffi::Error quant_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 
 }  // namespace
 
-#define PJ_DEFINE(name, format)                                                   \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, quant_matmul<format>,                       \
+#define PJ_DEFINE(name, format, acts)                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (quant_matmul<format, acts>),               \
                                 ffi::Ffi::Bind()                                  \
                                     .Ctx<ffi::ThreadPool>()                       \
                                     .Arg<ffi::Buffer<ffi::F32>>()                 \
                                     .Arg<ffi::Buffer<ffi::U8>>()                  \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
-PJ_DEFINE(pj_quant_matmul_q8_0, kQ8_0)
-PJ_DEFINE(pj_quant_matmul_q4_1, kQ4_1)
-PJ_DEFINE(pj_quant_matmul_bf16, kBF16)
+PJ_DEFINE(pj_quant_matmul_q8_0, kQ8_0, kF32)
+PJ_DEFINE(pj_quant_matmul_q4_1, kQ4_1, kF32)
+PJ_DEFINE(pj_quant_matmul_bf16, kBF16, kF32)
+PJ_DEFINE(pj_quant_matmul_q8_0_i8, kQ8_0, kI8)
+PJ_DEFINE(pj_quant_matmul_q4_1_i8, kQ4_1, kI8)

@@ -2,11 +2,14 @@
 
 A model's linear weight is either a float array in the family's einsum layout (in axes first:
 q_proj [D, N, H], o_proj [N, H, D], gate_proj [D, F]; embeddings [V, D]) or a PackedWeight:
-the same logical weight as rows of a block format (cpu_kernels/quant_matmul.py: q8_0, q4_1,
-bf16), one row per output, each row the weight's inputs in order. `linear` and `embed_rows`
-take either, so a family's layer code reads the same for both; a GGUF's Q8_0 / Q4_1 / Q4_0 /
-BF16 tensors become PackedWeights with their bytes unchanged (Q4_0 rewritten as the Q4_1 it
-equals), and `pack_model` turns a float model's weights into a format (LLM(weight_dtype=...)).
+the same logical weight in a block format (cpu_kernels/quant_matmul.py: q8_0, q4_1, bf16), one
+logical row per output, each row the weight's inputs in order, stored as that module stores
+the format (q8_0 / q4_1 in tiles of 16 rows). `linear` and `embed_rows` take either, so a
+family's layer code reads the same for both; a GGUF's Q8_0 / Q4_1 / Q4_0 / BF16 tensors become
+PackedWeights with their block values unchanged (Q4_0 rewritten as the Q4_1 it equals), and
+`pack_model` turns a float model's weights into a format (LLM(weight_dtype=...)).
+`set_activations` picks how the packed matmuls treat activations: exact f32, or quantized to
+int8 per block as llama.cpp does (LLM(activation_dtype=...)).
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cpu_kernels.quant_matmul import dequantize, pack, quant_matmul
+from cpu_kernels.quant_matmul import ACTIVATIONS, TILED, dequantize, dequantize_rows, pack, quant_matmul, tile_rows
 
-__all__ = ["WEIGHT_DTYPES", "PackedWeight", "embed_rows", "linear", "pack_model", "packed_formats", "weight_format"]
+__all__ = ["ACTIVATIONS", "WEIGHT_DTYPES", "PackedWeight", "embed_rows", "linear", "pack_model", "packed_formats",
+           "set_activations", "weight_format"]
 
 # LLM(weight_dtype=...): auto keeps what the checkpoint stores (a GGUF's blocks as they are, a HF
 # checkpoint's dtype); the others store every linear weight and the embedding in one format.
@@ -36,21 +40,32 @@ _NUM_IN_AXES = {"o_proj": 2}
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A weight of logical `shape` stored as u8[num_rows, row_bytes] rows of `format`.
+    """A weight of logical `shape` stored in `format` (u8[stored_shape(format, num_outputs,
+    num_inputs)], cpu_kernels/quant_matmul.py).
 
-    The rows are the weight's outputs in row-major order of the output axes, each holding the
-    inputs in row-major order of in_axes. `shape` is what the float weight's shape would be, so
-    a loader's shape checks and a family's `.shape` reads hold for both.
+    Its logical rows are the weight's outputs in row-major order of the output axes, each
+    holding the inputs in row-major order of in_axes. `shape` is what the float weight's shape
+    would be, so a loader's shape checks and a family's `.shape` reads hold for both.
+    `activations` ("float32" exact, or "int8") is how its matmul treats x.
     """
 
-    data: jax.Array  # u8[num_rows, row_bytes(format, num_inputs)]
+    data: jax.Array
     format: str = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     in_axes: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    activations: str = dataclasses.field(default="float32", metadata=dict(static=True))
 
     @property
     def num_inputs(self) -> int:
         return math.prod(self.shape[a] for a in self.in_axes)
+
+    @property
+    def num_outputs(self) -> int:
+        return math.prod(self.shape) // self.num_inputs
+
+    def matmul(self, x2):
+        """f32[M, num_outputs] = x2 [M, num_inputs] @ the weight's rows^T."""
+        return quant_matmul(x2, self.data, self.format, self.num_outputs, self.activations)
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +74,7 @@ class PackedWeight:
     def dense(self, dtype=jnp.float32):
         """The float weight in its einsum layout (for tests and the dense reference)."""
         out_axes = [a for a in range(len(self.shape)) if a not in self.in_axes]
-        w = dequantize(self.data, self.format, self.num_inputs)
+        w = dequantize(self.data, self.format, self.num_inputs, self.num_outputs)
         w = w.reshape(*(self.shape[a] for a in out_axes), *(self.shape[a] for a in self.in_axes))
         order = np.argsort([*out_axes, *self.in_axes])
         return w.transpose(order).astype(dtype)
@@ -83,7 +98,7 @@ def linear(x, w, dtype, num_in: int = 1):
     out_shape = w.shape[num_in:]
     x2 = x.reshape(math.prod(lead), math.prod(x.shape[x.ndim - num_in:]))
     if isinstance(w, PackedWeight):
-        y = quant_matmul(x2, w.data, w.format)
+        y = w.matmul(x2)
     else:
         y = x2 @ w.astype(dtype).reshape(x2.shape[1], -1)
     return y.astype(dtype).reshape(*lead, *out_shape)
@@ -93,7 +108,7 @@ def logits(x, head):
     """f32[..., V] = x [..., D] @ head [V, D]^T (an embedding / lm_head, float or packed)."""
     head = _value(head)
     if isinstance(head, PackedWeight):
-        return quant_matmul(x.reshape(-1, x.shape[-1]), head.data, head.format).reshape(*x.shape[:-1], -1)
+        return head.matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
     return jnp.einsum("...D,VD->...V", x, head.astype(x.dtype), preferred_element_type=jnp.float32).astype(jnp.float32)
 
 
@@ -101,7 +116,7 @@ def embed_rows(table, token_ids, dtype):
     """[..., D] rows token_ids selects from an embedding table [V, D], float or packed."""
     table = _value(table)
     if isinstance(table, PackedWeight):
-        return dequantize(jnp.take(table.data, token_ids, axis=0), table.format, table.shape[1]).astype(dtype)
+        return dequantize_rows(table.data, table.format, table.shape[1], token_ids).astype(dtype)
     return jnp.take(table, token_ids, axis=0).astype(dtype)
 
 
@@ -113,8 +128,9 @@ def in_axes_of(name: str, ndim: int) -> tuple[int, ...]:
 
 
 def packed_from_rows(rows, fmt: str, name: str, shape: tuple[int, ...]) -> PackedWeight:
-    """A PackedWeight of parameter `name` (logical `shape`) from u8[num_rows, row_bytes] rows."""
-    return PackedWeight(jnp.asarray(rows), fmt, tuple(int(s) for s in shape), in_axes_of(name, len(shape)))
+    """A PackedWeight of parameter `name` (logical `shape`) from GGUF rows u8[num_rows, row_bytes]."""
+    return PackedWeight(jnp.asarray(tile_rows(rows, fmt)), fmt, tuple(int(s) for s in shape),
+                        in_axes_of(name, len(shape)))
 
 
 def weight_format(weight_dtype: str) -> str | None:
@@ -141,7 +157,20 @@ def pack_model(model, weight_dtype: str):
         out_axes = [a for a in range(value.ndim) if a not in in_axes]
         w = np.asarray(value, np.float32).transpose(*out_axes, *in_axes)
         rows = w.reshape(math.prod(w.shape[:len(out_axes)]), -1)
-        param.set_value(packed_from_rows(pack(rows, fmt), fmt, name, value.shape))
+        param.set_value(PackedWeight(jnp.asarray(pack(rows, fmt)), fmt, tuple(value.shape), in_axes))
+    return model
+
+
+def set_activations(model, activations: str):
+    """Every q8_0 / q4_1 PackedWeight of model multiplies its activations as `activations`
+    ("float32": exact; "int8": quantized per block of 32, cpu_kernels/quant_matmul.py), in
+    place; bf16 and float weights stay exact. Returns the model."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activation_dtype={activations!r} is not one of {ACTIVATIONS}")
+    for _, param in nnx.iter_graph(model):
+        value = param.get_value() if isinstance(param, nnx.Param) else None
+        if isinstance(value, PackedWeight) and value.format in TILED:
+            param.set_value(dataclasses.replace(value, activations=activations))
     return model
 
 

@@ -28,7 +28,7 @@ from flax import nnx
 
 from models import deepseek_v2, llama
 from models.gguf import get_architecture
-from models.packed_weight import pack_model, weight_format
+from models.packed_weight import pack_model, packed_formats, set_activations, weight_format
 from models.named_models import NAMED_MODELS, gguf_path
 from models.tokenizer import load_tokenizer
 from paged_jax.core.tokenizer import EMBEDDED_MODELS
@@ -124,7 +124,8 @@ def _placement(family: ModelFamily, placer) -> dict:
     return {"place": placer(family.param_partition_rules)}
 
 
-def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=None, weight_dtype: str = "auto"):
+def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=None, weight_dtype: str = "auto",
+               activation_dtype: str = "float32"):
     """The model `model=` names (see the module docstring for the forms it takes).
 
     Args:
@@ -139,11 +140,23 @@ def load_model(model: str, *, dtype: str | None = None, seed: int = 0, place=Non
         (a GGUF's Q8_0 / Q4_1 / Q4_0 / BF16 blocks packed, a HF checkpoint's dtype, a preset's
         dtype); "float32" stores float32 weights; "bfloat16" / "int8" pack every matrix as
         bf16 / q8_0 blocks (the native CPU matmul reads them: cpu_kernels/quant_matmul.py).
+      activation_dtype: "float32" (exact) or "int8": the q8_0 / q4_1 weights' matmuls quantize
+        their activations per block of 32 (models.packed_weight.set_activations).
     Raises:
       ValueError naming what is wrong: unknown name, missing file, unsupported architecture,
-      or placing a family that has no tensor-parallel rules.
+      placing a family that has no tensor-parallel rules, or int8 activations for a model
+      that loaded no q8_0 / q4_1 weight.
     """
     weight_format(weight_dtype)  # ValueError for an unknown one
+    loaded = _load_weights(model, dtype=dtype, seed=seed, place=place, weight_dtype=weight_dtype)
+    if activation_dtype != "float32" and not {"q8_0", "q4_1"} & set(packed_formats(loaded)):
+        raise ValueError(f"activation_dtype={activation_dtype!r} quantizes the activations of q8_0 / q4_1 weights "
+                         f"and {model!r} loaded none with weight_dtype={weight_dtype!r}: use a GGUF with "
+                         "weight_dtype='auto', or weight_dtype='int8'")
+    return set_activations(loaded, activation_dtype)
+
+
+def _load_weights(model: str, *, dtype, seed, place, weight_dtype):
     if model in EMBEDDED_MODELS:
         family = next(f for f in FAMILIES if model in f.presets)
         _check_packed(family, weight_dtype, place)

@@ -55,7 +55,8 @@ class LLMEngine:
         if model is None:
             # On a mesh each checkpoint tensor goes to its devices, split, as it is read.
             place = None if self.mesh is None else param_placer(self.mesh)
-            model = load_model(c.model, dtype=c.dtype, seed=c.seed, place=place, weight_dtype=c.weight_dtype)
+            model = load_model(c.model, dtype=c.dtype, seed=c.seed, place=place, weight_dtype=c.weight_dtype,
+                               activation_dtype=c.activation_dtype)
         self.model = model
         if self.mesh is not None:
             check_tensor_parallel(self.model, c.tensor_parallel_size)

@@ -22,6 +22,8 @@ from paged_jax.core.offload import PREEMPTION_MODES, OffloadConfig
 
 # models.packed_weight.WEIGHT_DTYPES, repeated so this module stays jax-free (a test checks they agree).
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8")
+# cpu_kernels.quant_matmul.ACTIVATIONS, repeated for the same reason.
+ACTIVATION_DTYPES = ("float32", "int8")
 from paged_jax.core.page_codec import STORAGE_DTYPES
 
 # The attention implementations a config may name: paged_jax/attention/registry.py's
@@ -91,6 +93,9 @@ class EngineConfig:
     weight_dtype: str = knob("auto", "storage of the weight matrices: auto keeps the checkpoint's (a GGUF's "
                              "Q8_0/Q4_1/Q4_0/BF16 blocks as they are, a HF checkpoint's dtype); float32; "
                              "bfloat16 or int8 (q8_0 blocks) read by a native CPU matmul", choices=WEIGHT_DTYPES)
+    activation_dtype: str = knob("float32", "activations of the q8_0/q4_1 weight matmuls: float32 is exact; "
+                                 "int8 quantizes them per block of 32 as llama.cpp does (faster, not exact: "
+                                 "docs/BENCHMARKS.md section 18)", choices=ACTIVATION_DTYPES)
     attention_impl: str | None = knob(None, "attention implementation ('pallas' is the old name of 'triton'; "
                                       "default: triton on GPU, xla elsewhere)", choices=ATTENTION_IMPLS)
     interpret: bool = knob(False, "run the Pallas kernels in interpret mode (CPU runs of the kernel path)")
@@ -150,6 +155,12 @@ class EngineConfig:
         check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0, "0 turns it off")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight_dtype={self.weight_dtype!r} must be one of {WEIGHT_DTYPES}")
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"activation_dtype={self.activation_dtype!r} must be one of {ACTIVATION_DTYPES}")
+        if self.activation_dtype == "int8" and self.weight_dtype in ("float32", "bfloat16"):
+            raise ValueError(f"activation_dtype='int8' quantizes the activations of q8_0 / q4_1 weights, and "
+                             f"weight_dtype={self.weight_dtype!r} stores none: use weight_dtype='auto' (a GGUF) "
+                             "or 'int8'")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 1, "or None for the model's")
         if self.num_blocks is not None:

@@ -4,7 +4,7 @@ Same file (SmolLM2-135M-Instruct Q4_1), same prompt token ids, greedy, EOS ignor
 the machine's cores (llama.cpp -t <cores>). For each round the two run one after the other,
 alternating which goes first; the table shows medians over rounds and their ratio.
 
-- paged-jax: LLM(weight_dtype=...) in this process, warmed up (every bucket compiled), one
+- paged-jax: LLM(weight_dtype=..., activation_dtype=...) in this process, warmed up (every bucket compiled), one
   request at a time; decode tok/s = (new tokens - 1) / (time after the first token).
 - llama.cpp: llama-server (-t N -np 1), its /completion endpoint with the same token ids,
   timings from its own report (predicted_per_second, prompt_ms); and llama-bench tg128.
@@ -13,7 +13,7 @@ llama.cpp is a benchmark peer only: build it once from the PyPI sdist `llama-cpp
 (upstream source) with `--build` (cmake, tens of minutes on 2 cores) or point --llama-dir at a
 build/bin with llama-server and llama-bench.
 
-Run: .venv/bin/python scripts/bench_peers.py [--rounds 3] [--weight-dtype auto float32]
+Run: .venv/bin/python scripts/bench_peers.py [--rounds 3] [--engines auto auto:int8 float32]
 """
 
 from __future__ import annotations
@@ -100,12 +100,15 @@ def llama_bench_tg(llama_dir: str, gguf: str, threads: int) -> float:
 
 
 class PagedJax:
-    def __init__(self, gguf: str, weight_dtype: str):
+    def __init__(self, gguf: str, variant: str):
+        """variant: "WEIGHT_DTYPE[:ACTIVATION_DTYPE]", e.g. "auto" (the GGUF's blocks, exact
+        activations) or "auto:int8" (int8 activations, as llama.cpp)."""
         from paged_jax import LLM, SamplingParams
 
+        weight_dtype, _, activation_dtype = variant.partition(":")
         self.params = SamplingParams
-        self.llm = LLM(gguf, weight_dtype=weight_dtype, max_model_len=1024, max_num_seqs=1,
-                       max_num_batched_tokens=512, warm_up="full")
+        self.llm = LLM(gguf, weight_dtype=weight_dtype, activation_dtype=activation_dtype or "float32",
+                       max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=512, warm_up="full")
 
     def run(self, prompt_ids: list[int], max_tokens: int) -> dict:
         firsts = []
@@ -130,7 +133,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--weight-dtype", nargs="+", default=["auto", "float32"])
+    parser.add_argument("--engines", nargs="+", default=["auto", "auto:int8", "float32"],
+                        help="paged-jax variants, WEIGHT_DTYPE[:ACTIVATION_DTYPE]")
     parser.add_argument("--llama-dir", default=DEFAULT_LLAMA_DIR)
     parser.add_argument("--build", action="store_true", help="build llama.cpp first (tens of minutes)")
     parser.add_argument("--out", default="results/bench_peers.json")
@@ -148,7 +152,7 @@ def main() -> None:
     assert len(prompt_ids) == args.prompt_tokens
     rows, result = [], {"machine": machine_info(), "command": command_line(), "prompt_tokens": args.prompt_tokens,
                         "max_tokens": args.max_tokens, "rounds": args.rounds, "runs": {}}
-    ours = {wd: PagedJax(gguf, wd) for wd in args.weight_dtype}
+    ours = {v: PagedJax(gguf, v) for v in args.engines}
     server = LlamaServer(llama_dir, gguf, threads, ctx=1024)
     runs = {name: [] for name in [*(f"paged-jax {wd}" for wd in ours), "llama-server"]}
     tokens = {}

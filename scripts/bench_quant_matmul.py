@@ -2,8 +2,8 @@
 
 SmolLM2-135M's 30 layers of q/k/v/o/gate/up/down matrices (210 matmuls, 106M weights) in one
 jitted program, x of M rows: XLA's f32 dot over float32 weights beside quant_matmul over each
-packed format (the native kernel on a CPU; XLA's dequantize + dot on a GPU), and, with
---xla-too, the XLA path on the CPU as well. Medians of --repeats runs; GB/s is the bytes of
+packed format, with exact f32 activations and (q8_0, q4_1) int8 ones (the native kernel on a
+CPU; XLA's dequantize + dot on a GPU), and, with --xla-too, the XLA path on the CPU as well. Medians of --repeats runs; GB/s is the bytes of
 the weights as stored over the time.
 
 Run: .venv/bin/python scripts/bench_quant_matmul.py [--rows 1 4 16 64] [--quick]
@@ -12,6 +12,7 @@ Run: .venv/bin/python scripts/bench_quant_matmul.py [--rows 1 4 16 64] [--quick]
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -57,7 +58,7 @@ def main() -> None:
     native = jax.default_backend() == "cpu" and qm.native_available()
     impls = [("native" if native else "xla", qm.quant_matmul)]
     if native and args.xla_too:
-        impls.append(("xla", qm._xla_matmul))
+        impls.append(("xla", functools.partial(qm.quant_matmul, native=None)))
     f32_weights = [w.T for w in dense]  # [K, N]: what the float model's einsum reads
     rows, result = [], {"machine": machine_info(), "command": command_line(), "backend": jax.default_backend(),
                         "layers": args.layers, "cases": []}
@@ -68,11 +69,15 @@ def main() -> None:
         nbytes = sum(w.nbytes for w in dense)
         cases = [("float32", "xla dot", ms, nbytes)]
         for fmt, datas in packed.items():
-            ks = [k for k, _ in shapes]
-            for impl, matmul in impls:
-                fn = jax.jit(lambda xs, ds, matmul=matmul, fmt=fmt: sum(
-                    matmul(xs[k], d, fmt).sum() for k, d in zip(ks, ds)))
-                cases.append((fmt, impl, _time(fn, xs, datas, repeats=args.repeats), sum(d.nbytes for d in datas)))
+            for activations in qm.ACTIVATIONS:
+                if activations == "int8" and fmt not in qm.TILED:
+                    continue
+                for impl, matmul in impls:
+                    fn = jax.jit(lambda xs, ds, matmul=matmul, fmt=fmt, acts=activations: sum(
+                        matmul(xs[k], d, fmt, n, acts).sum() for (k, n), d in zip(shapes, ds)))
+                    name = fmt if activations == "float32" else f"{fmt}, int8 x"
+                    cases.append((name, impl, _time(fn, xs, datas, repeats=args.repeats),
+                                  sum(d.nbytes for d in datas)))
         for fmt, impl, t, nb in cases:
             rows.append([m, fmt, impl, f"{nb / 1e6:.1f}", f"{t:.2f}", f"{nb / t / 1e6:.1f}", f"{ms / t:.2f}x"])
             result["cases"].append({"rows": m, "format": fmt, "impl": impl, "bytes": nb, "ms": t})

@@ -9,13 +9,18 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from cpu_kernels import quant_matmul as qm
 from models.packed_weight import PackedWeight, pack_model, packed_formats
 
 FORMATS = sorted(qm.WEIGHT_FORMATS)
-# Relative to the largest |output|: f32 products summed in another order than float64's.
+# (format, activations) pairs the kernel has
+KINDS = [(f, a) for f in FORMATS for a in qm.ACTIVATIONS if a == "float32" or f in ("q8_0", "q4_1")]
+# Relative to the largest sum of |products| of an output: f32 products summed in another
+# order than float64's (q4_1's d * (x . q) + m * sum(x) may cancel, so |y| is the wrong scale).
 TOLERANCE = 2e-6
+_GGML = {"q8_0": "Q8_0", "q4_1": "Q4_1", "bf16": "BF16"}
 
 
 def _case(fmt, m, k, n, seed=0):
@@ -24,34 +29,76 @@ def _case(fmt, m, k, n, seed=0):
     return rng.standard_normal((m, k)).astype(np.float32), qm.pack(w, fmt), w
 
 
-def test_dequantize_reference_matches_gguf():
+def _gguf_rows(w, fmt):
     import gguf
 
-    for fmt, qtype in [("q8_0", gguf.GGMLQuantizationType.Q8_0), ("q4_1", gguf.GGMLQuantizationType.Q4_1),
-                       ("bf16", gguf.GGMLQuantizationType.BF16)]:
-        _, data, w = _case(fmt, 1, 96, 5)
-        ours = qm.dequantize_reference(data, fmt, 96)
-        np.testing.assert_array_equal(ours, gguf.quants.dequantize(data, qtype).reshape(5, 96))
-        assert np.abs(ours - w).max() < {"q8_0": 0.05, "q4_1": 0.5, "bf16": 0.02}[fmt]  # it is w, quantized
+    qtype = getattr(gguf.GGMLQuantizationType, _GGML[fmt])
+    return np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(w.shape[0], -1), qtype
+
+
+def _scale(x, data, fmt, n):
+    return (np.abs(x).astype(np.float64) @ np.abs(qm.dequantize_reference(data, fmt, x.shape[1], n)).T).max()
+
+
+def _check(y, x, data, fmt, n, activations):
+    ref = qm.quant_matmul_reference(x, data, fmt, n, activations)
+    assert y.shape == ref.shape and y.dtype == np.float32
+    assert np.abs(y - ref).max() <= TOLERANCE * _scale(x, data, fmt, n)
+
+
+_matmul = jax.jit(qm.quant_matmul, static_argnums=(2, 3, 4), static_argnames="native")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n", [1, 16, 21])  # less than a tile, one tile, a tile and a part
+def test_tiles_hold_the_gguf_rows(fmt, n):
+    import gguf
+
+    _, data, w = _case(fmt, 1, 96, n)
+    rows, qtype = _gguf_rows(w, fmt)
+    assert data.shape == qm.stored_shape(fmt, n, 96) and data.nbytes <= -(-n // 16) * rows.nbytes // n * 16
+    np.testing.assert_array_equal(qm.untile_rows(data, fmt, n), rows)
+    ours = qm.dequantize_reference(data, fmt, 96, n)
+    np.testing.assert_array_equal(ours, gguf.quants.dequantize(rows, qtype).reshape(n, 96))
+    assert np.abs(ours - w).max() < {"q8_0": 0.05, "q4_1": 0.5, "bf16": 0.02}[fmt]  # it is w, quantized
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_xla_dequantize_is_exact(fmt):
-    _, data, _ = _case(fmt, 1, 64, 7)
-    np.testing.assert_array_equal(np.asarray(jax.jit(qm.dequantize, static_argnums=(1, 2))(data, fmt, 64)),
-                                  qm.dequantize_reference(data, fmt, 64))
+    _, data, _ = _case(fmt, 1, 64, 23)
+    want = qm.dequantize_reference(data, fmt, 64, 23)
+    np.testing.assert_array_equal(np.asarray(jax.jit(qm.dequantize, static_argnums=(1, 2, 3))(data, fmt, 64, 23)),
+                                  want)
+    ids = np.array([[0, 22, 5], [16, 15, 1]], np.int32)  # rows of the first and the last tile
+    np.testing.assert_array_equal(np.asarray(jax.jit(qm.dequantize_rows, static_argnums=(1, 2))(data, fmt, 64, ids)),
+                                  want[ids])
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-# rows: 1 (decode), 3 and 5 (not multiples of the kernel's 4-row tile), 33; outputs: fewer than
-# one task's chunk, not a multiple of it, and many chunks
+def test_activation_quantization_is_llama_cpps():
+    # Per block of 32: d = max|x| / 127, q = round(x / d) half to even; an all-zero block is 0.
+    x = np.zeros((1, 64), np.float32)
+    x[0, :32] = np.linspace(-2.54, 1.0, 32)
+    q, d = qm.quantize_activations_reference(x)
+    assert d[0, 0] == np.float32(2.54) / np.float32(127) and d[0, 1] == 0
+    assert q[0, 0] == -127 and np.all(q[0, 32:] == 0)
+    np.testing.assert_allclose(q[0, :32] * d[0, 0], x[0, :32], atol=d[0, 0] / 2 + 1e-7)
+
+
+@pytest.mark.parametrize("fmt,activations", KINDS)
+# rows: 1 (decode), 3 and 5 (not multiples of the kernel's 4 rows), 33; outputs: one, fewer
+# than a tile, a part tile after whole ones, many tasks' chunks
 @pytest.mark.parametrize("m,k,n", [(1, 32, 1), (1, 576, 1536), (3, 1536, 40), (5, 64, 97), (33, 160, 70)])
-def test_quant_matmul_matches_reference(fmt, m, k, n):
+def test_quant_matmul_matches_reference(fmt, activations, m, k, n):
     x, data, _ = _case(fmt, m, k, n, seed=m * k + n)
-    ref = qm.quant_matmul_reference(x, data, fmt)
-    y = np.asarray(jax.jit(qm.quant_matmul, static_argnums=2)(x, data, fmt))
-    assert y.shape == (m, n) and y.dtype == np.float32
-    assert np.abs(y - ref).max() <= TOLERANCE * np.abs(ref).max()
+    _check(np.asarray(_matmul(x, data, fmt, n, activations)), x, data, fmt, n, activations)
+
+
+def test_int8_activations_lose_little():
+    # The quantized matmul is near the exact one (x's rounding, ~1/254 of each block's max).
+    x, data, _ = _case("q4_1", 4, 576, 64, seed=1)
+    exact = qm.quant_matmul_reference(x, data, "q4_1", 64)
+    y = np.asarray(_matmul(x, data, "q4_1", 64, "int8"))
+    assert 0 < np.abs(y - exact).max() < 0.02 * np.abs(exact).max()
 
 
 def test_native_kernel_builds_here():
@@ -62,30 +109,42 @@ def test_native_kernel_builds_here():
     assert qm.native_available(), "the native CPU kernel did not build; see the warning logged"
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_xla_path_matches_reference(fmt, monkeypatch):
+def test_portable_kernel_matches_reference():
+    # The loops a CPU without AVX-512 runs, built with it turned off, under names of their own.
+    if shutil.which(os.environ.get("CXX", "g++")) is None or jax.default_backend() != "cpu":
+        pytest.skip("no C++ compiler, or not a CPU backend")
+    assert qm.build_and_register(("-mno-avx512f",), prefix="pj_test_portable")
+    for fmt, activations in KINDS:
+        x, data, _ = _case(fmt, 5, 96, 21, seed=7)
+        y = np.asarray(_matmul(x, data, fmt, 21, activations, native="pj_test_portable"))
+        _check(y, x, data, fmt, 21, activations)
+
+
+@pytest.mark.parametrize("fmt,activations", KINDS)
+def test_xla_path_matches_reference(fmt, activations):
     # The path a GPU (or a machine without a compiler) takes.
-    monkeypatch.setattr(qm, "native_available", lambda: False)
     x, data, _ = _case(fmt, 2, 96, 33)
-    y = np.asarray(jax.jit(qm.quant_matmul, static_argnums=2)(x, data, fmt))
-    ref = qm.quant_matmul_reference(x, data, fmt)
-    assert np.abs(y - ref).max() <= TOLERANCE * np.abs(ref).max()
+    _check(np.asarray(_matmul(x, data, fmt, 33, activations, native=None)), x, data, fmt, 33, activations)
 
 
-def test_bad_shapes_raise_value_errors():
+def test_bad_arguments_raise_value_errors():
     x, data, _ = _case("q8_0", 2, 64, 3)
-    with pytest.raises(ValueError, match="not q4_1 rows"):
-        qm.quant_matmul(x, data, "q4_1")
+    with pytest.raises(ValueError, match="is not a q4_1 weight of 3 rows"):
+        qm.quant_matmul(x, data, "q4_1", 3)
+    with pytest.raises(ValueError, match="is not a q8_0 weight of 40 rows"):
+        qm.quant_matmul(x, data, "q8_0", 40)
     with pytest.raises(ValueError, match="multiples of 32"):
         qm.row_bytes("q8_0", 48)
     with pytest.raises(ValueError, match="weight format"):
         qm.row_bytes("q5_k", 64)
+    with pytest.raises(ValueError, match="int8 activations need q8_0 or q4_1 weights"):
+        qm.quant_matmul(x, qm.pack(np.ones((3, 64)), "bf16"), "bf16", 3, "int8")
+    with pytest.raises(ValueError, match="activations='fp8'"):
+        qm.quant_matmul(x, data, "q8_0", 3, "fp8")
 
 
 @pytest.mark.parametrize("weight_dtype,fmt", [("int8", "q8_0"), ("bfloat16", "bf16")])
 def test_packed_model_matches_its_dequantized_twin(weight_dtype, fmt):
-    from flax import nnx
-
     from models.registry import build_preset
 
     packed = pack_model(build_preset("tiny", seed=3), weight_dtype)
@@ -107,8 +166,7 @@ def test_packed_model_matches_its_dequantized_twin(weight_dtype, fmt):
 def test_lowers_for_cuda(fmt):
     # On a GPU the packed matmul is XLA's dequantize + dot (the native kernel is CPU-only).
     x, data, _ = _case(fmt, 1, 64, 8)
-    text = jax.jit(qm.quant_matmul, static_argnums=2).trace(x, data, fmt).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = _matmul.trace(x, data, fmt, 8, "float32").lower(lowering_platforms=("cuda",)).as_text()
     assert "pj_quant_matmul" not in text
 
 
@@ -124,6 +182,12 @@ def test_weight_dtype_errors_name_the_fix():
         load_model("tiny", weight_dtype="bfloat16", place=lambda rules: None)
     with pytest.raises(ValueError, match="weight_dtype"):
         EngineConfig(model="tiny", weight_dtype="int4")
+    with pytest.raises(ValueError, match="activation_dtype='int8' quantizes the activations of q8_0 / q4_1 weights"):
+        EngineConfig(model="tiny", weight_dtype="float32", activation_dtype="int8")
+    with pytest.raises(ValueError, match="loaded none with weight_dtype='auto'"):
+        load_model("tiny", activation_dtype="int8")  # the preset is float32: nothing to quantize for
+    with pytest.raises(ValueError, match="activation_dtype"):
+        EngineConfig(model="tiny", activation_dtype="int4")
 
 
 def test_weight_dtypes_agree():
@@ -133,14 +197,18 @@ def test_weight_dtypes_agree():
     assert engine_config.WEIGHT_DTYPES == WEIGHT_DTYPES  # repeated there to keep it jax-free
 
 
-def test_engine_on_packed_weights_matches_dense_generate():
+@pytest.mark.parametrize("activation_dtype", ["float32", "int8"])
+def test_engine_on_packed_weights_matches_dense_generate(activation_dtype):
     """LLM(weight_dtype="int8") greedy tokens equal a dense loop over the same packed model."""
     from paged_jax import LLM, SamplingParams
 
-    llm = LLM("tiny", weight_dtype="int8", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-              warm_up="none", block_size=16)
+    llm = LLM("tiny", weight_dtype="int8", activation_dtype=activation_dtype, max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=32, warm_up="none", block_size=16)
     model = llm.engine.model
     assert packed_formats(model) and "q8_0" in packed_formats(model)
+    acts = {p.get_value().activations for _, p in nnx.iter_graph(model)
+            if isinstance(p, nnx.Param) and isinstance(p.get_value(), PackedWeight)}
+    assert acts == {activation_dtype}
     prompts = [[5, 9, 2, 7, 7, 1], [3, 4]]
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
@@ -148,3 +216,16 @@ def test_engine_on_packed_weights_matches_dense_generate():
         for _ in range(6):  # the dense reference: full causal forward over the whole sequence each token
             ids.append(int(np.asarray(model.dense_forward(jnp.asarray([ids], jnp.int32)))[0, -1].argmax()))
         assert list(out.outputs[0].token_ids) == ids[len(prompt):]
+
+
+def test_a_packed_model_saves_as_its_dequantized_weights(tmp_path):
+    from models.llama import load_hf_checkpoint, save_hf_checkpoint
+    from models.registry import build_preset
+
+    packed = pack_model(build_preset("tiny", seed=5), "int8")
+    save_hf_checkpoint(packed, str(tmp_path))
+    loaded = load_hf_checkpoint(str(tmp_path), dtype="float32")
+    assert not packed_formats(loaded)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, packed.config.vocab_size, (1, 9)))
+    np.testing.assert_allclose(np.asarray(loaded.dense_forward(tokens)), np.asarray(packed.dense_forward(tokens)),
+                               rtol=1e-4, atol=1e-4)

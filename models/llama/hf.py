@@ -23,7 +23,7 @@ from models.hf_checkpoint import SINGLE_FILE, hf_tensor_reader, read_hf_config, 
 from models.llama.config import LlamaConfig
 from models.gguf import PackedRows
 from models.llama.model import LlamaForCausalLM
-from models.packed_weight import packed_from_rows
+from models.packed_weight import PackedWeight, packed_from_rows
 
 __all__ = ["load_hf_checkpoint", "model_from_hf_tensors", "save_hf_checkpoint"]
 
@@ -141,9 +141,15 @@ def save_hf_checkpoint(model: LlamaForCausalLM, path: str) -> None:
     """Write `model` as a HF Llama directory (config.json + model.safetensors) in its param dtype.
 
     The inverse of load_hf_checkpoint; transformers' LlamaForCausalLM.from_pretrained reads it.
+    Packed weights (a GGUF's blocks, LLM(weight_dtype=...)) are written dequantized, in f32.
     """
     os.makedirs(path, exist_ok=True)
-    tensors = {name: jnp.asarray(to_hf(param_of(model)[...]))
+
+    def value(param):
+        v = param.get_value()
+        return v.dense() if isinstance(v, PackedWeight) else v
+
+    tensors = {name: jnp.asarray(to_hf(value(param_of(model))))
                for name, (_, param_of, _, to_hf) in _hf_layout(model.config).items()}
     save_file(tensors, os.path.join(path, SINGLE_FILE), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as fh:
