@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from cpu_kernels import paged_attention as cpu_attention
 from pallas_kernels.kv_cache_write import get_format, pages_to_values
 from pallas_kernels.ragged_batch import (cdiv, check_ragged_args, max_prefill_blocks, query_blocks, ragged_batch,
                                          split_decodes_and_prefills)
@@ -194,10 +195,20 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, quer
     attend = functools.partial(_attend_blocks, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                                batch=batch, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
                                fmt=get_format(kv_cache_dtype))
-    out = jnp.zeros(q.shape, q.dtype)  # padding rows stay zero
-    # decode: one single-row block per decoding sequence
-    out = attend(out, q_lens=split.decode_q_lens, block_q=1, num_blocks=max_num_seqs,
-                 group_blocks=min(DECODE_GROUP, max_num_seqs))
+    # decode: one single-row block per decoding sequence (on a CPU, float caches: the native
+    # kernel reads the pages in place, cpu_kernels/paged_attention.py); padding rows stay zero
+    xla_decode = functools.partial(attend, q_lens=split.decode_q_lens, block_q=1, num_blocks=max_num_seqs,
+                                   group_blocks=min(DECODE_GROUP, max_num_seqs))
+    out = jnp.zeros(q.shape, q.dtype)
+    if get_format(kv_cache_dtype) is None and cpu_attention.usable(k_cache):
+        native = functools.partial(cpu_attention.decode_attention, sm_scale=sm_scale)
+        out = lax.platform_dependent(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
+            cpu=lambda *args: native(*args).astype(q.dtype), default=lambda *args: xla_decode(out))
+    else:
+        out = xla_decode(out)
+    if num_tokens < 2:  # no room for a prefill chunk (two tokens or more)
+        return out
     # prefill chunks
     block_q = min(PREFILL_QUERY_BLOCK, num_tokens)
     num_blocks = max_prefill_blocks(num_tokens, max_num_seqs, block_q)

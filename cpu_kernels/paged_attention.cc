@@ -1,0 +1,272 @@
+// Paged attention of decoding sequences (one query token each) on the CPU: each (sequence,
+// KV head) reads its pages straight from the cache through its block table, its live keys
+// only, in one pass over K (scores of the KV head's query heads) and one over V, with no
+// gathered copy of a page (cpu_kernels/paged_attention.py is the entry; the XLA path of
+// paged_jax/attention/xla.py is its reference).
+//
+// Inputs: q f32[T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (f32 or bf16);
+// block_tables i32[S, W]; seq_lens i32[S]; query_start_loc i32[S + 1]; num_seqs i32[1];
+// attribute sm_scale. Output f32[T, Hq, D]: the attention of every token of a sequence with
+// exactly one query token; every other row (prefill chunks, padding) is zero. Query head j
+// reads KV head j / (Hq / Hkv).
+//
+// (sequence, KV head) tasks are split over XLA's intra-op thread pool from an atomic counter;
+// the calling thread works too.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t bf16) {
+  uint32_t bits = uint32_t(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// exp(x) for x <= 0 (scores minus their max), vectorizable (no libm call): x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7, under f32's
+// rounding of the terms), times 2^n built in the exponent bits. Below -87 it is 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split in two: r is exact
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+template <typename KV>
+struct Job {
+  const float* q;
+  const KV* k;
+  const KV* v;
+  const int32_t* tables;
+  const int32_t* seq_lens;
+  const int32_t* qsl;
+  float* out;
+  int64_t width, block_size, hkv, group, dim;
+  float scale;
+  std::vector<int64_t> seqs;  // the decoding sequences
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename KV>
+void run_task(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
+  const int64_t row = job.qsl[seq], len = job.seq_lens[seq], g_num = job.group, dim = job.dim;
+  const int64_t hq = job.hkv * g_num;
+  const float* q = job.q + (row * hq + h * g_num) * dim;  // this KV head's query heads, back to back
+  const int32_t* table = job.tables + seq * job.width;
+  scores.resize(g_num * len);
+  for (int64_t t = 0; t < len; ++t) {
+    const KV* key = job.k + ((int64_t(table[t / job.block_size]) * job.block_size + t % job.block_size) * job.hkv + h) * dim;
+    for (int64_t g = 0; g < g_num; ++g) {
+      const float* qg = q + g * dim;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < dim; ++d) s += qg[d] * to_f32(key[d]);
+      scores[g * len + t] = s * job.scale;
+    }
+  }
+  float* out = job.out + (row * hq + h * g_num) * dim;
+  for (int64_t g = 0; g < g_num; ++g) {
+    float* p = scores.data() + g * len;
+    float m = p[0];
+    for (int64_t t = 1; t < len; ++t) m = std::max(m, p[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      p[t] = exp_nonpositive(p[t] - m);
+      sum += p[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < len; ++t) p[t] *= inv;
+  }
+  std::fill(out, out + g_num * dim, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const KV* value = job.v + ((int64_t(table[t / job.block_size]) * job.block_size + t % job.block_size) * job.hkv + h) * dim;
+    for (int64_t g = 0; g < g_num; ++g) {
+      const float p = scores[g * len + t];
+      float* o = out + g * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] += p * to_f32(value[d]);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// run_task with kG query heads per KV head and head_dim 16 * kC held in registers (the
+// generic loops' per-key loop set-up cost more than their arithmetic at head_dim 64).
+template <typename KV, int kG, int kC>
+void run_task_avx512(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
+  const int64_t row = job.qsl[seq], len = job.seq_lens[seq], bs = job.block_size;
+  const int64_t hq = job.hkv * kG, dim = 16 * kC;
+  const float* q = job.q + (row * hq + h * kG) * dim;
+  const int32_t* table = job.tables + seq * job.width;
+  scores.resize(kG * len);
+  __m512 qv[kG][kC];
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim + 16 * c), _mm512_set1_ps(job.scale));
+  for (int64_t t = 0; t < len; ++t) {
+    const KV* key = job.k + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
+    __m512 kv[kC];
+    for (int c = 0; c < kC; ++c) kv[c] = load16(key + 16 * c);
+    for (int g = 0; g < kG; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < kC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+      scores[g * len + t] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  for (int g = 0; g < kG; ++g) {
+    float* p = scores.data() + g * len;
+    float m = p[0];
+    for (int64_t t = 1; t < len; ++t) m = std::max(m, p[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      p[t] = exp_nonpositive(p[t] - m);
+      sum += p[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < len; ++t) p[t] *= inv;
+  }
+  __m512 o[kG][kC];
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) o[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const KV* value = job.v + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
+    __m512 vv[kC];
+    for (int c = 0; c < kC; ++c) vv[c] = load16(value + 16 * c);
+    for (int g = 0; g < kG; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int c = 0; c < kC; ++c) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
+    }
+  }
+  float* out = job.out + (row * hq + h * kG) * dim;
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(out + g * dim + 16 * c, o[g][c]);
+}
+
+template <typename KV, int kC>
+bool dispatch_group(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
+  switch (job.group) {
+    case 1: run_task_avx512<KV, 1, kC>(job, seq, h, scores); return true;
+    case 2: run_task_avx512<KV, 2, kC>(job, seq, h, scores); return true;
+    case 3: run_task_avx512<KV, 3, kC>(job, seq, h, scores); return true;
+    case 4: run_task_avx512<KV, 4, kC>(job, seq, h, scores); return true;
+    case 5: run_task_avx512<KV, 5, kC>(job, seq, h, scores); return true;
+    case 6: run_task_avx512<KV, 6, kC>(job, seq, h, scores); return true;
+    case 7: run_task_avx512<KV, 7, kC>(job, seq, h, scores); return true;
+    case 8: run_task_avx512<KV, 8, kC>(job, seq, h, scores); return true;
+    default: return false;
+  }
+}
+#endif
+
+// The task on the fastest loops this build has for its shape.
+template <typename KV>
+void run_any(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
+#if defined(__AVX512F__)
+  if (job.dim == 64 && dispatch_group<KV, 4>(job, seq, h, scores)) return;
+  if (job.dim == 128 && dispatch_group<KV, 8>(job, seq, h, scores)) return;
+#endif
+  run_task(job, seq, h, scores);
+}
+
+template <typename KV>
+void run_tasks(Job<KV>& job) {
+  const int64_t num_tasks = int64_t(job.seqs.size()) * job.hkv;
+  std::vector<float> scores;
+  for (int64_t i; (i = job.next.fetch_add(1)) < num_tasks;) {
+    run_any(job, job.seqs[i / job.hkv], i % job.hkv, scores);
+    job.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+template <ffi::DataType kKV>
+ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kKV> k_cache,
+                            ffi::Buffer<kKV> v_cache, ffi::Buffer<ffi::S32> block_tables,
+                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                            ffi::Buffer<ffi::S32> num_seqs, float sm_scale, ffi::ResultBuffer<ffi::F32> out) {
+  using KV = std::conditional_t<kKV == ffi::DataType::F32, float, uint16_t>;
+  auto qd = q.dimensions();
+  auto kd = k_cache.dimensions();
+  auto td = block_tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || qd[2] != kd[3] || qd[1] % kd[2])
+    return ffi::Error::InvalidArgument("q [T, Hq, D], caches [blocks, block_size, Hkv, D], tables [S, W] expected");
+  const int64_t num_tokens = qd[0], hq = qd[1], dim = qd[2], hkv = kd[2];
+  auto job = std::make_shared<Job<KV>>();
+  job->q = q.typed_data();
+  job->k = reinterpret_cast<const KV*>(k_cache.untyped_data());
+  job->v = reinterpret_cast<const KV*>(v_cache.untyped_data());
+  job->tables = block_tables.typed_data();
+  job->seq_lens = seq_lens.typed_data();
+  job->qsl = query_start_loc.typed_data();
+  job->out = out->typed_data();
+  job->width = td[1];
+  job->block_size = kd[1];
+  job->hkv = hkv;
+  job->group = hq / hkv;
+  job->dim = dim;
+  job->scale = sm_scale;
+  std::fill(job->out, job->out + num_tokens * hq * dim, 0.0f);
+  const int64_t n = std::min<int64_t>(num_seqs.typed_data()[0], td[0]);
+  for (int64_t s = 0; s < n; ++s) {
+    const int64_t start = job->qsl[s];
+    if (job->qsl[s + 1] - start == 1 && start < num_tokens && job->seq_lens[s] > 0) job->seqs.push_back(s);
+  }
+  const int64_t num_tasks = int64_t(job->seqs.size()) * hkv;
+  // A task is a few microseconds per thousand keys: helpers only for more than a couple.
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tasks / 2);
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { run_tasks(*job); });
+  run_tasks(*job);
+  while (job->done.load(std::memory_order_acquire) < num_tasks) {
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define PJ_DEFINE_ATTENTION(name, kv)                                             \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, decode_attention<kv>,                       \
+                                ffi::Ffi::Bind()                                  \
+                                    .Ctx<ffi::ThreadPool>()                       \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                 \
+                                    .Arg<ffi::Buffer<kv>>()                       \
+                                    .Arg<ffi::Buffer<kv>>()                       \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                 \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                 \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                 \
+                                    .Arg<ffi::Buffer<ffi::S32>>()                 \
+                                    .Attr<float>("sm_scale")                      \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+PJ_DEFINE_ATTENTION(pj_paged_decode_attention_f32, ffi::DataType::F32)
+PJ_DEFINE_ATTENTION(pj_paged_decode_attention_bf16, ffi::DataType::BF16)
