@@ -149,6 +149,14 @@ class ModelRunner:
             rules = model.param_partition_rules  # the model family's (models/<family>/model.py)
             self.layer_params = [shard_params(params, mesh, rules) for params in self.layer_params]
             self.head_params = shard_params(self.head_params, mesh, rules)
+        # The programs take their weights as flat lists of arrays (unflattened inside, at trace
+        # time): flattening nnx States on every call cost ~0.2 ms a program (jax's
+        # ParseArguments, docs/BENCHMARKS.md section 18).
+        self._head_leaves, self._head_treedef = jax.tree.flatten(self.head_params)
+        groups = [self.layer_params[i : i + k] for i in range(0, num_layers, k)]
+        self._layer_leaves = [jax.tree.leaves(group) for group in groups]
+        self._kind_treedefs = [jax.tree.structure(groups[self._group_kind.index(kind)])
+                               for kind in range(len(self._group_graphdefs))]
         self.num_steps = 0
         self.compiler = CompileManager(scheduler_config.bucket_shapes(), self._compile, scheduler_config.bucket_for)
 
@@ -241,18 +249,21 @@ class ModelRunner:
         packed = jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(like)),), np.int32,
                                       sharding=rep)
 
-        def embed_fn(head_params, packed):
-            return self._embed_fn(head_params, unpack_step_inputs(packed, like).model.token_ids)
+        head_params_of = functools.partial(jax.tree.unflatten, self._head_treedef)
 
-        def layer_fn(layer_params, x, kv_caches, packed, layer_inputs, kind):
+        def embed_fn(head_leaves, packed):
+            return self._embed_fn(head_params_of(head_leaves), unpack_step_inputs(packed, like).model.token_ids)
+
+        def layer_fn(layer_leaves, x, kv_caches, packed, layer_inputs, kind):
             inputs = unpack_step_inputs(packed, like)
+            layer_params = jax.tree.unflatten(self._kind_treedefs[self._group_graphdefs.index(kind)], layer_leaves)
             return self._layer_fn(layer_params, x, kv_caches, inputs.model.positions, inputs.attention, kind,
                                   layer_inputs)
 
-        def head_fn(head_params, x, packed):
-            return self._head_fn(head_params, x, unpack_step_inputs(packed, like))
+        def head_fn(head_leaves, x, packed):
+            return self._head_fn(head_params_of(head_leaves), x, unpack_step_inputs(packed, like))
 
-        head_params = abstract(self.head_params)
+        head_params = abstract(self._head_leaves)
         embed = self._jit(embed_fn, rep).lower(head_params, packed).compile()
         x = jax.eval_shape(embed_fn, head_params, packed)
         x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
@@ -266,7 +277,7 @@ class ModelRunner:
             program = self._jit(functools.partial(layer_fn, kind=kind), (rep, caches_out),
                                 donate_argnums=(2,))
             # Shapes only: the warm-up thread must not read the live caches the steps donate.
-            layers.append(program.lower(abstract(self.layer_params[first : first + k]), x,
+            layers.append(program.lower(abstract(self._layer_leaves[first // k]), x,
                                         self.pool.abstract_caches[first : first + k], packed, layer_inputs).compile())
         head = self._jit(head_fn, (rep, rep)).lower(head_params, x, packed).compile()
         return embed, tuple(layers), head
@@ -303,13 +314,13 @@ class ModelRunner:
                 # diverged scheduler fails here, not in a hung or garbled collective.
                 multihost_utils.assert_equal(step_fingerprint(packed), "processes scheduled different steps")
             packed = put_replicated(packed, self.mesh)
-        x = embed(self.head_params, packed)
+        x = embed(self._head_leaves, packed)
         kv_caches, k = self.pool.kv_caches, self.layers_per_program
         for i in range(0, len(kv_caches), k):
             layer = layers[self._group_kind[i // k]]  # the program of this group's kind of layers
-            x, kv_caches[i : i + k] = layer(self.layer_params[i : i + k], x, kv_caches[i : i + k], packed,
+            x, kv_caches[i : i + k] = layer(self._layer_leaves[i // k], x, kv_caches[i : i + k], packed,
                                             self._group_layer_inputs[i // k])
-        token_ids, logprobs = head(self.head_params, x, packed)
+        token_ids, logprobs = head(self._head_leaves, x, packed)
         self.num_steps += 1
         if copies is not None and copies.persist_block_ids.size:
             copies.persist(self.pool.gather_pages(copies.persist_block_ids))

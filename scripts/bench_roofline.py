@@ -2,6 +2,7 @@
 SmolLM2-135M-Instruct (the real GGUF) beside them (issue 26).
 
     python scripts/bench_roofline.py [--quick] [--context 300] [--new-tokens 128] [--runs 3]
+        [--activation-dtype int8]
 
 1. Machine limits, each the median of --reps timed calls after a warm-up:
    - read bandwidth of a jitted jnp.sum and of np.add.reduce over the same f32 array
@@ -190,11 +191,12 @@ def make_llm(args):
     # warm_up="none", then the two buckets the runs use compiled here (the prefill's and the
     # decode's; or loaded from the persistent compilation cache). A bucket not compiled would
     # make the step run in a larger compiled one (CompileManager.choose_shape).
-    llm = LLM(MODEL, max_num_seqs=1, max_model_len=args.max_model_len, warm_up="none")
+    llm = LLM(MODEL, max_num_seqs=1, max_model_len=args.max_model_len, warm_up="none",
+              activation_dtype=args.activation_dtype)
     load_s = time.perf_counter() - t0
     runner, buckets = llm.engine.runner, llm.engine.scheduler_config.token_buckets
     for num_tokens in (buckets[0], next(b for b in buckets if b >= args.context)):
-        runner.compiler.programs_for((num_tokens, 1))
+        runner.compiler.programs_for(runner.compiler.bucket_for(num_tokens, 1))
     return llm, load_s, time.perf_counter() - t0 - load_s
 
 
@@ -254,16 +256,16 @@ class TimedStep:
         embed, layers, head = r._programs_for(shape)
         packed = jax.device_put(pack_step_inputs(inputs)).block_until_ready()
         lap("host: pack + device_put")
-        x = embed(r.head_params, packed).block_until_ready()
+        x = embed(r._head_leaves, packed).block_until_ready()
         lap("embed")
         kv_caches, k = r.pool.kv_caches, r.layers_per_program
         for i in range(0, len(kv_caches), k):
             layer = layers[r._group_kind[i // k]]
-            x, kv_caches[i : i + k] = layer(r.layer_params[i : i + k], x, kv_caches[i : i + k], packed,
+            x, kv_caches[i : i + k] = layer(r._layer_leaves[i // k], x, kv_caches[i : i + k], packed,
                                             r._group_layer_inputs[i // k])
             jax.block_until_ready((x, kv_caches[i : i + k]))
             lap(f"layers {i}-{i + k - 1}")
-        token_ids, logprobs = head(r.head_params, x, packed)
+        token_ids, logprobs = head(r._head_leaves, x, packed)
         jax.block_until_ready((token_ids, logprobs))
         lap("head (norm, logits, sample)")
         token_ids, logprobs = np.asarray(token_ids), np.asarray(logprobs)
@@ -534,6 +536,8 @@ def main(argv=None) -> int:
                         "(default 8; quick 2; 0: none)")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--activation-dtype", default="float32", choices=("float32", "int8"),
+                        help="the packed matmuls' activations (LLM(activation_dtype=...))")
     parser.add_argument("--out", default=None, help="default: results/bench_roofline[_quick].json")
     args = parser.parse_args(argv)
     q = args.quick
