@@ -49,10 +49,12 @@ def backend_compiles():
     jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def make_runner(num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len=MAX_MODEL_LEN, **kwargs):
+def make_runner(num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
+                min_token_bucket=MIN_TOKEN_BUCKET, **kwargs):
     return ModelRunner(model(), ResolvedConfig(EngineConfig(**kwargs),
                                                CacheConfig(BLOCK_SIZE, num_blocks, max_model_len),
-                                               SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)))
+                                               SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len,
+                                                               min_token_bucket=min_token_bucket)))
 
 
 def _smallest_at_least(buckets, n):
@@ -87,7 +89,7 @@ def test_warm_up_compiled_each_bucket_once(backend_compiles):
     runner = get_engine("chunked").runner  # built (and warmed up) on first use
     compiled_before = len(backend_compiles)
     shapes = runner.bucket_shapes()
-    assert shapes == [(16, 8), (16, 16), (32, 8), (32, 16)]
+    assert shapes == [(1, 1), (2, 2), (4, 4), (8, 8), (16, 8), (16, 16), (32, 8), (32, 16)]
     assert runner.num_compilations == len(shapes)
     assert runner.warm_up() == len(shapes)  # again: every shape is cached
     assert runner.num_compilations == len(shapes) and len(backend_compiles) == compiled_before
@@ -143,7 +145,7 @@ def test_donated_caches_update_in_place():
     layer_cache_bytes = cache_bytes // config.num_layers
     k = runner.layers_per_program
     assert 1 <= k <= config.num_layers and config.num_layers % k == 0
-    assert runner.bucket_shapes() == [(16, 8), (32, 8), (64, 8)]
+    assert runner.bucket_shapes() == [(1, 1), (2, 2), (4, 4), (8, 8), (16, 8), (32, 8), (64, 8)]
     for t, s in runner.bucket_shapes():
         memory = runner.compiled_memory(t, s)
         layer = memory["layer"]
@@ -216,7 +218,7 @@ def test_layers_per_program():
 
 
 def test_choose_shape_pads_up_to_a_compiled_bucket():
-    runner = make_runner(2, 16, 32)
+    runner = make_runner(2, 16, 32, min_token_bucket=16)  # the padding rule on 16-token buckets
     assert runner.bucket_shapes() == [(16, 8), (16, 16), (32, 8), (32, 16)]
     # nothing compiled: the smallest bucket that fits (the step then waits for it)
     assert runner.compiler.choose_shape(3, 2) == (16, 8)
@@ -266,7 +268,7 @@ def test_without_warm_up_a_decode_compiles_its_own_bucket():
     prompt = list(range(3, 53))  # 50 tokens: the (64, 8) bucket
     engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     finished = run_to_completion(engine)
-    assert ran == [(64, 8)] + [(16, 8)] * 3, ran
+    assert ran == [(64, 8)] + [(1, 1)] * 3, ran
     assert finished["r"].token_ids == dense_greedy([prompt], [4])[0][0]
     assert_no_leak(engine)
 
@@ -289,7 +291,7 @@ def test_background_warm_up_never_compiles_on_the_serving_thread():
 
     runner.compiler._compile_fn = recording_compile
     runner.start_warm_up()
-    assert compiled_on == [(threading.main_thread(), (16, 8))] and runner.num_compilations == 1
+    assert compiled_on == [(threading.main_thread(), (1, 1))] and runner.num_compilations == 1
 
     rng = np.random.default_rng(11)
     prompts = [rng.integers(3, 512, n).tolist() for n in (5, 40, 17, 3, 90, 12, 33, 8, 2, 60)]

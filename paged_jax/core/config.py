@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 from paged_jax.core.hashing import get_hash_fn_by_name
 
-# Smallest token bucket. 1 would let a single decode run a 1-token program (padding one decode
-# to 16 tokens makes every layer's matmuls read the weights for 16 rows: 1.8x the step,
-# docs/BENCHMARKS.md section 17), but with it the full test suite crashed inside XLA (see
-# docs/BENCHMARKS.md section 18); SchedulerConfig(min_token_bucket=1) opts in. Steps of fewer
-# tokens than MIN_SEQ_BUCKET pad their sequences to the token bucket (a decode batch of n has
-# n of each); larger ones to at least MIN_SEQ_BUCKET.
-MIN_TOKEN_BUCKET = 16
+# Smallest token bucket: a single decode runs a 1-token program (padding it to 16 tokens made
+# every layer's matmuls work for 16 rows: 1.8x the step, docs/BENCHMARKS.md section 17). Each
+# bucket is a few more compiled programs, and each compiled XLA:CPU program holds ~150 memory
+# maps of a process's 65530 (vm.max_map_count): tests/conftest.py releases each test module's
+# engines. Steps of fewer tokens than MIN_SEQ_BUCKET pad their sequences to the token bucket
+# (a decode batch of n has n of each); larger ones to at least MIN_SEQ_BUCKET.
+MIN_TOKEN_BUCKET = 1
 MIN_SEQ_BUCKET = 8
 
 
