@@ -14,7 +14,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DOC = REPO / "docs" / "ARCHITECTURE.md"
-CODE_DIRS = ("paged_jax", "models", "pallas_kernels")
+CODE_DIRS = ("paged_jax", "models", "pallas_kernels", "cpu_kernels")
 PATH = re.compile(r"\b((?:paged_jax|models|pallas_kernels|tests|scripts|docs)/[\w./-]*\w)")
 BACKTICKED = re.compile(r"`([^`\n]+)`")
 IDENTIFIER = re.compile(r"^[A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*")
