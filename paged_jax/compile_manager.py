@@ -25,6 +25,12 @@ import jax
 
 _BACKGROUND: weakref.WeakSet = weakref.WeakSet()
 
+# Background warm-up compiles this one-sequence bucket in the foreground too, beside the
+# smallest (a single decode's): a first prompt of up to 16 tokens then runs at once, padded
+# up into it, instead of waiting ~2 s for its own bucket (scripts/bench_startup.py's
+# "1st token after ready").
+FIRST_PROMPT_TOKENS = 16
+
 
 def track_background_work(obj) -> None:
     """Register an object whose stop() ends its background threads (called at exit)."""
@@ -123,10 +129,13 @@ class CompileManager:
         return len(self.shapes)
 
     def start_warm_up(self, num_first: int = 1, progress=None) -> None:
-        """Compiles the smallest num_first buckets now and the others on a background thread,
-        smallest first, while steps run. `progress`, if given, is called after each bucket,
-        from either thread. wait_warm_up() joins the thread."""
-        for shape in self.shapes[:num_first]:
+        """Compiles the smallest num_first buckets now, and the bucket of a one-sequence step
+        of FIRST_PROMPT_TOKENS tokens (a short prompt runs padded up into it while its own
+        compiles, instead of waiting), and the others on a background thread, smallest
+        first, while steps run. `progress`, if given, is called after each bucket, from
+        either thread. wait_warm_up() joins the thread."""
+        prompt_bucket = self.bucket_for(min(FIRST_PROMPT_TOKENS, self.shapes[-1][0]), 1)
+        for shape in dict.fromkeys([*self.shapes[:num_first], prompt_bucket]):
             self.programs_for(shape)
             if progress is not None:
                 progress()

@@ -164,7 +164,7 @@ def decode_requirements(engine, context: int, gguf_path: str) -> dict:
     runner, model = engine.runner, engine.model
     layers = sum(_nbytes(p) for p in runner.layer_params)
     head = _nbytes(runner.head_params)  # embedding, final norm, lm_head if untied
-    embed_table = int(model.embed_tokens[...].nbytes)
+    embed_table = int(model.embed_tokens.get_value().nbytes)  # a float array or a PackedWeight
     tied = model.lm_head is None
     row = embed_table // model.config.vocab_size
     # Tied: the table is read whole by the head and one row by the lookup; untied: the lookup
@@ -174,7 +174,7 @@ def decode_requirements(engine, context: int, gguf_path: str) -> dict:
     shape = model_shape(model.config)
     return {
         "context": context, "tied_embedding": tied,
-        "weights_f32": {"layers": layers, "head_and_embed_read": head_read, "total": layers + head_read,
+        "weights_held": {"layers": layers, "head_and_embed_read": head_read, "total": layers + head_read,
                         "parameter_bytes_held": layers + head},
         "gguf": gguf_bytes(gguf_path),
         "kv_bytes_per_token": kv_per_token, "kv_live_bytes": kv_per_token * context,
@@ -311,6 +311,8 @@ def _thunk_kind(op_name: str, opcode: str, name: str) -> str:
         return "attention (ragged_paged_attention_xla)"
     if "dot_general" in op_name or opcode == "dot" or name.startswith("dot"):
         return "matmuls (dot_general)"
+    if name.startswith("ffi_call") or opcode == "custom-call":  # outside attention: the packed matmul
+        return "matmuls (packed weights, cpu_kernels/quant_matmul)"
     return "everything else (norms, rope, silu, sampling, copies)"
 
 
@@ -482,7 +484,7 @@ def roofline_rows(result: dict) -> list[list]:
     tok_s = dec["tok_per_s"]
     kv = need["kv_live_bytes"]
     rows = []
-    for label, weights in (("f32 weights (as the engine holds them)", need["weights_f32"]["total"]),
+    for label, weights in (("weights as the engine holds them", need["weights_held"]["total"]),
                            (f"GGUF stored bytes ({'+'.join(need['gguf']['tensor_bytes_by_type'])})",
                             need["gguf"]["tensor_bytes"])):
         step_bytes = weights + kv
@@ -509,7 +511,7 @@ def breakdown_rows(result: dict) -> list[list]:
         if name.startswith("layers"):
             must = need["per_layer_program_bytes"] + k * kv_layer
         elif name.startswith("head"):
-            must = need["weights_f32"]["head_and_embed_read"]
+            must = need["weights_held"]["head_and_embed_read"]
         row = [name, f"{1e3 * s:.2f}", f"{100 * s / total:.1f}%"]
         if must:
             row += [_mb(must), f"{must / s / 1e9:.1f}", f"{1e3 * must / bw:.2f}", f"{100 * must / bw / s:.0f}%"]
@@ -517,8 +519,8 @@ def breakdown_rows(result: dict) -> list[list]:
             row += ["", "", "", ""]
         rows.append(row)
     plain = result["decode"]["median_step_s"]
-    rows.append(["sum of the parts (synchronised)", f"{1e3 * total:.2f}", "100%", _mb(need["weights_f32"]["total"] + need["kv_live_bytes"]),
-                 f"{(need['weights_f32']['total'] + need['kv_live_bytes']) / total / 1e9:.1f}", "", ""])
+    rows.append(["sum of the parts (synchronised)", f"{1e3 * total:.2f}", "100%", _mb(need["weights_held"]["total"] + need["kv_live_bytes"]),
+                 f"{(need['weights_held']['total'] + need['kv_live_bytes']) / total / 1e9:.1f}", "", ""])
     rows.append(["plain engine.step() (the decode runs' median)", f"{1e3 * plain:.2f}", "", "", "", "", ""])
     return rows
 
