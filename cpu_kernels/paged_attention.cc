@@ -57,6 +57,23 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// Each of `rows` rows of len scores becomes its softmax, in place.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* p = scores + g * len;
+    float m = p[0];
+    for (int64_t t = 1; t < len; ++t) m = std::max(m, p[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      p[t] = exp_nonpositive(p[t] - m);
+      sum += p[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < len; ++t) p[t] *= inv;
+  }
+}
+
 template <typename KV>
 struct Job {
   const float* q;
@@ -91,19 +108,7 @@ void run_task(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& sc
     }
   }
   float* out = job.out + (row * hq + h * g_num) * dim;
-  for (int64_t g = 0; g < g_num; ++g) {
-    float* p = scores.data() + g * len;
-    float m = p[0];
-    for (int64_t t = 1; t < len; ++t) m = std::max(m, p[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      p[t] = exp_nonpositive(p[t] - m);
-      sum += p[t];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t t = 0; t < len; ++t) p[t] *= inv;
-  }
+  softmax_rows(scores.data(), g_num, len);
   std::fill(out, out + g_num * dim, 0.0f);
   for (int64_t t = 0; t < len; ++t) {
     const KV* value = job.v + ((int64_t(table[t / job.block_size]) * job.block_size + t % job.block_size) * job.hkv + h) * dim;
@@ -144,19 +149,7 @@ void run_task_avx512(const Job<KV>& job, int64_t seq, int64_t h, std::vector<flo
       scores[g * len + t] = _mm512_reduce_add_ps(acc);
     }
   }
-  for (int g = 0; g < kG; ++g) {
-    float* p = scores.data() + g * len;
-    float m = p[0];
-    for (int64_t t = 1; t < len; ++t) m = std::max(m, p[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
-      p[t] = exp_nonpositive(p[t] - m);
-      sum += p[t];
-    }
-    const float inv = 1.0f / sum;
-    for (int64_t t = 0; t < len; ++t) p[t] *= inv;
-  }
+  softmax_rows(scores.data(), kG, len);
   __m512 o[kG][kC];
   for (int g = 0; g < kG; ++g)
     for (int c = 0; c < kC; ++c) o[g][c] = _mm512_setzero_ps();
