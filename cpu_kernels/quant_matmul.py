@@ -81,12 +81,11 @@ def _format(fmt: str) -> tuple[int, int]:
     return WEIGHT_FORMATS[fmt]
 
 
-def _activations(activations: str, fmt: str) -> str:
+def _check_activations(activations: str, fmt: str) -> None:
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r} is not one of {ACTIVATIONS}")
     if activations == "int8" and fmt not in TILED:
         raise ValueError(f"int8 activations need q8_0 or q4_1 weights, not {fmt}; use activations='float32'")
-    return activations
 
 
 # The tile layout, as numpy index arrays: element j of a block lives in 64-byte load L, byte u
@@ -106,7 +105,7 @@ def tile_rows(rows, fmt: str) -> np.ndarray:
     rows = np.asarray(rows, np.uint8)
     if fmt not in TILED:
         return np.ascontiguousarray(rows)
-    block, nbytes = _format(fmt)
+    _, nbytes = _format(fmt)
     n = rows.shape[0]
     num_tiles = -(-n // TILE_ROWS)
     padded = np.zeros((num_tiles * TILE_ROWS, rows.shape[1]), np.uint8)
@@ -134,9 +133,8 @@ def untile_rows(data, fmt: str, n: int) -> np.ndarray:
     data = np.asarray(data, np.uint8)
     if fmt not in TILED:
         return data[:n]
-    block, nbytes = _format(fmt)
     num_tiles = data.shape[0]
-    blocks = data.reshape(num_tiles, -1, _HEADER[fmt] + 64 * _LOADS[fmt])  # [T, B, tile block]
+    blocks = data.reshape(num_tiles, -1, TILE_ROWS * _format(fmt)[1])  # [T, B, tile block]
     num_blocks = blocks.shape[1]
     d = blocks[..., :32].reshape(num_tiles, num_blocks, TILE_ROWS, 2)
     values = blocks[..., _HEADER[fmt]:].reshape(num_tiles, num_blocks, _LOADS[fmt], TILE_ROWS, 4)
@@ -193,7 +191,7 @@ def _tile_values(data, fmt: str, k: int):
     """(d, m, q) of stored tiles u8[..., tile bytes] in XLA: d, m f32[..., 16, B, 1] (m None for
     q8_0), q u8[..., 16, B, 32] the block values (q8_0's as q + 128)."""
     lead = data.shape[:-1]
-    blocks = data.reshape(*lead, k // 32, _HEADER[fmt] + 64 * _LOADS[fmt])
+    blocks = data.reshape(*lead, k // 32, TILE_ROWS * _format(fmt)[1])  # a tile block: 16 GGUF blocks' bytes
     lanes_first = lambda a: jnp.moveaxis(a, -1, len(lead))[..., None]  # noqa: E731  [..., B, 16] -> [..., 16, B, 1]
     d = lanes_first(_f16(blocks[..., :32].reshape(*lead, k // 32, TILE_ROWS, 2)))
     values = blocks[..., _HEADER[fmt]:].reshape(*lead, k // 32, _LOADS[fmt], TILE_ROWS, 4)
@@ -298,7 +296,7 @@ def quant_matmul(x, data, fmt: str, n: int, activations: str = "float32", *, nat
     Raises:
       ValueError when data's shape is not W's in fmt, or for an unknown activations.
     """
-    _activations(activations, fmt)
+    _check_activations(activations, fmt)
     if x.ndim != 2 or data.ndim != 2:
         raise ValueError(f"quant_matmul takes x [M, K] and data [rows, bytes]; got {x.shape} and {data.shape}")
     if tuple(data.shape) != stored_shape(fmt, n, x.shape[1]):
@@ -316,7 +314,7 @@ def quant_matmul(x, data, fmt: str, n: int, activations: str = "float32", *, nat
 def quant_matmul_reference(x, data, fmt: str, n: int, activations: str = "float32"):
     """quant_matmul in numpy float64 over dequantize_reference (the tests' reference); with int8
     activations x is replaced by its quantization (quantize_activations_reference), dequantized."""
-    _activations(activations, fmt)
+    _check_activations(activations, fmt)
     x = np.asarray(x, np.float32)
     k = x.shape[1]
     if activations == "int8":
