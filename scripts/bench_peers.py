@@ -13,7 +13,20 @@ llama.cpp is a benchmark peer only: build it once from the PyPI sdist `llama-cpp
 (upstream source) with `--build` (cmake, tens of minutes on 2 cores) or point --llama-dir at a
 build/bin with llama-server and llama-bench.
 
+Serving (--workloads concurrent shared-prefix): each engine as a server of its own on
+127.0.0.1, one at a time, the same requests sent all at once as streaming completions of the
+same token ids, greedy, EOS ignored: `python -m paged_jax serve` (its defaults: prefix caching
+on, the engine in a process of its own) beside `llama-server -t <cores> -np 32 -cb` (32
+slots, continuous batching, its prompt cache on):
+- concurrent: 32 requests of distinct 256-token prompts, 128 new tokens each;
+- shared-prefix: 32 requests of one 1,024-token prefix plus a distinct 16-token suffix,
+  128 new tokens each, on a server that has not seen the prefix (its first round).
+Per workload and engine: output tok/s (all requests' tokens / wall time from the first send to
+the last token) and TTFT p50 / p99, medians over --rounds rounds (a fresh server each round
+for shared-prefix, so every round is a first round).
+
 Run: .venv/bin/python scripts/bench_peers.py [--rounds 3] [--engines auto auto:int8 float32]
+     .venv/bin/python scripts/bench_peers.py --workloads concurrent shared-prefix [--engines auto:int8 auto]
 """
 
 from __future__ import annotations
@@ -37,13 +50,39 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=O
                "-DBUILD_SHARED_LIBS=OFF"]
 
 
+def _fetch_sdist(cache: str) -> str:
+    """The sdist's tarball from PyPI, checked against its published SHA256.
+
+    Not `pip download`: pip prepares the sdist's metadata, which says version 0.0.0, and then
+    refuses the file as inconsistent with the pinned version.
+    """
+    import hashlib
+
+    project, version = LLAMA_CPP_SDIST.split("==")
+    # PyPI's simple index in its JSON form (PEP 691): what pip itself reads.
+    request = urllib.request.Request(f"https://pypi.org/simple/{project}/",
+                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        files = json.loads(response.read())["files"]
+    sdist = next(f for f in files if f["filename"] == f"{project.replace('-', '_')}-{version}.tar.gz")
+    path = os.path.join(cache, sdist["filename"])
+    if not os.path.exists(path):
+        urllib.request.urlretrieve(sdist["url"], path + ".part")
+        os.replace(path + ".part", path)
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    if digest != sdist["hashes"]["sha256"]:
+        os.remove(path)
+        raise RuntimeError(f"{path}: sha256 {digest} is not PyPI's {sdist['hashes']['sha256']}")
+    return path
+
+
 def build_llama_cpp(cache: str) -> str:
     """Download the sdist (no install) and build llama-server + llama-bench; returns build/bin."""
     os.makedirs(cache, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    "--no-build-isolation", LLAMA_CPP_SDIST, "-d", cache], check=True)
-    name = LLAMA_CPP_SDIST.replace("==", "-").replace("-", "_", 2)
-    subprocess.run(["tar", "xzf", f"{name}.tar.gz"], cwd=cache, check=True)
+    tarball = _fetch_sdist(cache)
+    subprocess.run(["tar", "xzf", tarball], cwd=cache, check=True)
+    name = os.path.basename(tarball).removesuffix(".tar.gz")
     src = os.path.join(cache, name, "llama.cpp")
     subprocess.run(["cmake", "-B", "build", *CMAKE_FLAGS], cwd=src, check=True)
     subprocess.run(["cmake", "--build", "build", f"-j{os.cpu_count()}", "--target", "llama-server", "llama-bench"],
@@ -99,6 +138,134 @@ def llama_bench_tg(llama_dir: str, gguf: str, threads: int) -> float:
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
+SERVING = {"concurrent": dict(requests=32, prompt_tokens=256, shared_tokens=0, max_tokens=128),
+           "shared-prefix": dict(requests=32, prompt_tokens=16, shared_tokens=1024, max_tokens=128)}
+SLOTS = 32  # llama-server -np: one slot per concurrent request
+SLOT_CTX = 1280  # each slot's context (llama-server splits -c over its slots): 1,040 + 128 fits
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, what: str, limit_s: float) -> None:
+    deadline = time.time() + limit_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"{what} was not healthy after {limit_s:.0f} s")
+
+
+class Server:
+    """One engine serving on 127.0.0.1: paged-jax's `serve` (variant as PagedJax's) or
+    llama-server with SLOTS slots; `send` streams completions of token-id prompts, all at once."""
+
+    def __init__(self, engine: str, gguf: str, llama_dir: str, threads: int):
+        self.port = _free_port()
+        self.llama = engine == "llama-server"
+        if self.llama:
+            cmd = [os.path.join(llama_dir, "llama-server"), "-m", gguf, "-t", str(threads), "-np", str(SLOTS), "-cb",
+                   "-c", str(SLOTS * SLOT_CTX), "--port", str(self.port), "--no-webui"]
+            env = None
+        else:
+            weight_dtype, _, activation_dtype = engine.partition(":")
+            cmd = [sys.executable, "-m", "paged_jax", "serve", "--model", gguf, "--port", str(self.port),
+                   "--weight-dtype", weight_dtype, "--activation-dtype", activation_dtype or "float32",
+                   "--max-num-seqs", str(SLOTS), "--max-model-len", "2048", "--max-num-batched-tokens", "512"]
+            env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        try:
+            _wait_healthy(f"http://127.0.0.1:{self.port}", self.proc, engine, 900)  # serve compiles every bucket first
+        except BaseException:
+            self.close()
+            raise
+
+    def send(self, prompts: list[list[int]], max_tokens: int) -> dict:
+        import asyncio
+
+        from bench_serve import percentile, stream_completion
+
+        if self.llama:
+            path = "/completion"
+            bodies = [{"prompt": p, "n_predict": max_tokens, "temperature": 0, "top_k": 1, "ignore_eos": True,
+                       "cache_prompt": True, "stream": True, "return_tokens": True} for p in prompts]
+        else:
+            path = "/v1/completions"
+            bodies = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                       "return_token_ids": True} for p in prompts]
+
+        async def all_at_once():
+            start = time.perf_counter()
+            done = await asyncio.gather(*(stream_completion("127.0.0.1", self.port, b, path) for b in bodies))
+            return start, done
+
+        start, done = asyncio.run(all_at_once())
+        counts = [count for _, count in done]
+        if any(c != max_tokens for c in counts):
+            raise RuntimeError(f"expected {max_tokens} tokens per request, got {sorted(set(counts))}")
+        ttft = [times[0] - start for times, _ in done]
+        return {"output_tok_s": sum(counts) / (max(times[-1] for times, _ in done) - start),
+                "ttft_ms_p50": 1e3 * percentile(ttft, 50), "ttft_ms_p99": 1e3 * percentile(ttft, 99)}
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def serving(args, gguf: str, llama_dir: str, threads: int, vocab: int) -> dict:
+    """The --workloads serving table: every engine on every workload, --rounds rounds."""
+    import numpy as np
+
+    engines = [*args.engines, "llama-server"]
+    rng = np.random.default_rng(0)
+    result, rows = {}, []
+    for workload in args.workloads:
+        spec = SERVING[workload]
+        shared = rng.integers(3, vocab - 8, spec["shared_tokens"]).tolist()
+        prompts = [shared + rng.integers(3, vocab - 8, spec["prompt_tokens"]).tolist()
+                   for _ in range(spec["requests"])]
+        runs = {e: [] for e in engines}
+        # concurrent: one server per engine, warmed on other prompts; shared-prefix: a fresh
+        # server per round (a server that has cached the prefix is past its first round).
+        fresh = workload == "shared-prefix"
+        servers = {} if fresh else {e: Server(e, gguf, llama_dir, threads) for e in engines}
+        try:
+            for server in servers.values():
+                server.send([rng.integers(3, vocab - 8, spec["prompt_tokens"]).tolist() for _ in range(4)], 8)
+            for r in range(args.rounds):
+                for engine in (engines if r % 2 == 0 else engines[::-1]):
+                    server = Server(engine, gguf, llama_dir, threads) if fresh else servers[engine]
+                    try:
+                        if fresh:  # first-request costs out of the round, on unrelated tokens
+                            server.send([rng.integers(3, vocab - 8, 16).tolist()], 8)
+                        runs[engine].append(server.send(prompts, spec["max_tokens"]))
+                    finally:
+                        if fresh:
+                            server.close()
+                    print(f"{workload} round {r} {engine}: {runs[engine][-1]['output_tok_s']:.1f} tok/s", flush=True)
+        finally:
+            for server in servers.values():
+                server.close()
+        base = median(x["output_tok_s"] for x in runs["llama-server"])
+        for engine, xs in runs.items():
+            tok_s = median(x["output_tok_s"] for x in xs)
+            rows.append([workload, engine, f"{tok_s:.1f}", f"{min(x['output_tok_s'] for x in xs):.1f}-"
+                         f"{max(x['output_tok_s'] for x in xs):.1f}", f"{tok_s / base:.2f}x",
+                         f"{median(x['ttft_ms_p50'] for x in xs):.0f}", f"{median(x['ttft_ms_p99'] for x in xs):.0f}"])
+        result[workload] = {"spec": spec, "runs": runs}
+    print_table(f"serving, all requests at once, greedy, EOS ignored, {threads} threads "
+                f"({machine_info().get('cpu')})",
+                ["workload", "engine", "output tok/s (median)", "range", "vs llama-server", "TTFT p50 ms",
+                 "TTFT p99 ms"], rows)
+    return result
+
+
 class PagedJax:
     def __init__(self, gguf: str, variant: str):
         """variant: "WEIGHT_DTYPE[:ACTIVATION_DTYPE]", e.g. "auto" (the GGUF's blocks, exact
@@ -137,7 +304,10 @@ def main() -> None:
                         help="paged-jax variants, WEIGHT_DTYPE[:ACTIVATION_DTYPE]")
     parser.add_argument("--llama-dir", default=DEFAULT_LLAMA_DIR)
     parser.add_argument("--build", action="store_true", help="build llama.cpp first (tens of minutes)")
-    parser.add_argument("--out", default="results/bench_peers.json")
+    parser.add_argument("--workloads", nargs="+", default=["single"], choices=["single", *SERVING],
+                        help="single: one stream in this process; the others: servers (module docstring)")
+    parser.add_argument("--out", default=None, help="default: results/bench_peers.json, or "
+                        "results/bench_peers_serving.json without the single workload")
     args = parser.parse_args()
 
     from models.named_models import gguf_path
@@ -148,7 +318,13 @@ def main() -> None:
     threads = os.cpu_count()
     from models.tokenizer import load_tokenizer
 
-    prompt_ids = load_tokenizer(gguf).encode(PROMPT * 20)[:args.prompt_tokens]
+    tokenizer = load_tokenizer(gguf)
+    if "single" not in args.workloads:
+        result = {"machine": machine_info(), "command": command_line(), "rounds": args.rounds,
+                  **serving(args, gguf, llama_dir, threads, tokenizer.vocab_size)}
+        write_json(args.out or "results/bench_peers_serving.json", result)
+        return
+    prompt_ids = tokenizer.encode(PROMPT * 20)[:args.prompt_tokens]
     assert len(prompt_ids) == args.prompt_tokens
     rows, result = [], {"machine": machine_info(), "command": command_line(), "prompt_tokens": args.prompt_tokens,
                         "max_tokens": args.max_tokens, "rounds": args.rounds, "runs": {}}
@@ -183,7 +359,11 @@ def main() -> None:
                 f"{threads} threads ({result['machine'].get('cpu')})",
                 ["engine", "decode tok/s (median)", "range", "vs llama-server", "TTFT ms", "tokens = llama.cpp's"],
                 rows)
-    write_json(args.out, result)
+    write_json(args.out or "results/bench_peers.json", result)
+    if len(args.workloads) > 1:
+        result = {"machine": machine_info(), "command": command_line(), "rounds": args.rounds,
+                  **serving(args, gguf, llama_dir, threads, tokenizer.vocab_size)}
+        write_json("results/bench_peers_serving.json", result)
 
 
 PROMPT = ("The history of the printing press begins long before Gutenberg. Block printing spread from China "
