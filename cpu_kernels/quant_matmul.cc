@@ -19,7 +19,9 @@
 //     bytes are the unsigned operand, x's the signed one. Integer sums are exact; the only
 //     loss is x's rounding (docs/BENCHMARKS.md measures its quality).
 //
-// Tiles are split over XLA's intra-op thread pool; each task takes chunks of tiles from an
+// One call multiplies x by several weights of the same format and inputs (a layer's q, k and v,
+// or gate and up): x is prepared once, and the tiles of every weight are one list of work.
+// That list is split over XLA's intra-op thread pool; each task takes chunks of tiles from an
 // atomic counter and the calling thread works too, so no task ever waits for another.
 
 #include <immintrin.h>
@@ -41,6 +43,7 @@ constexpr int64_t kBlock = 32;      // inputs per q8_0 / q4_1 block
 constexpr int64_t kTile = 16;       // output rows per tile
 constexpr int kMaxRows = 4;         // x rows sharing one pass over a tile
 constexpr int64_t kChunkTiles = 2;  // tiles a task takes at once
+constexpr int kMaxParts = 4;        // weights one call takes
 
 enum Format { kQ8_0 = 0, kQ4_1 = 1, kBF16 = 2 };
 enum Acts { kF32 = 0, kI8 = 1 };
@@ -53,11 +56,19 @@ inline float f16_to_f32(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-struct Work {
-  const float* x;
+// One weight of a call: n outputs in num_tiles tiles, its chunks numbered from first_chunk.
+struct Part {
   const uint8_t* w;
   float* y;
-  int64_t m, n, k, num_tiles;
+  int64_t n, num_tiles, first_chunk;
+};
+
+struct Work {
+  const float* x;
+  int64_t m, k;
+  Part parts[kMaxParts];
+  int num_parts;
+  int64_t num_chunks;
   std::unique_ptr<float[]> xsum;   // [m, k / 32] block sums of x (f32 activations)
   std::unique_ptr<int8_t[]> xq;    // [m, k] x quantized (i8 activations)
   std::unique_ptr<float[]> xd;     // [m, k / 32] its scales
@@ -66,9 +77,10 @@ struct Work {
   std::atomic<int64_t> done{0};
 };
 
-// out[i][lane] for r rows of x (rows i0..i0+r-1) and one tile's 16 outputs.
+// out[i][lane] for r rows of x (rows i0..i0+r-1) and one tile's 16 outputs (`rows` of them
+// real: the last tile of a weight whose n is not a multiple of 16 has fewer).
 template <int kFormat, int kActs>
-void tile_dot(const Work& wk, const uint8_t* tile, int64_t i0, int r, float (*out)[kTile]);
+void tile_dot(const Work& wk, const uint8_t* tile, int64_t rows, int64_t i0, int r, float (*out)[kTile]);
 
 // Portable version of every (format, activations) pair: each tile block is unpacked into
 // plain arrays first (the compiler vectorizes the loops for the machine it builds on).
@@ -257,7 +269,8 @@ void avx_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[k
 // with r (the rows of x) a template argument so that their accumulators stay in registers.
 #define PJ_TILE_DOT(format, acts, fn, available)                                                     \
   template <>                                                                                       \
-  void tile_dot<format, acts>(const Work& wk, const uint8_t* tile, int64_t i0, int r, float (*out)[kTile]) { \
+  void tile_dot<format, acts>(const Work& wk, const uint8_t* tile, int64_t, int64_t i0, int r,       \
+                              float (*out)[kTile]) {                                                \
     if (!(available)) return tile_dot_portable<format, acts>(wk, tile, i0, r, out);                 \
     switch (r) {                                                                                    \
       case 1: return fn<1>(wk, tile, i0, out);                                                      \
@@ -287,10 +300,10 @@ PJ_TILE_DOT(kQ8_0, kF32, avx_q8_0_f32, kHasAvx512)
 PJ_TILE_DOT(kQ4_1, kI8, avx_q4_1_i8, kHasVnni)
 PJ_TILE_DOT(kQ8_0, kI8, avx_q8_0_i8, kHasVnni)
 
-// bf16 rows (not tiled): out[i][l] for the 16 rows 16t.. of the row-major weight.
+// bf16 rows (not tiled): out[i][l] for the `rows` rows from `tile` of the row-major weight.
 template <>
-void tile_dot<kBF16, kF32>(const Work& wk, const uint8_t* tile, int64_t i0, int r, float (*out)[kTile]) {
-  const int64_t rows = std::min<int64_t>(kTile, wk.n - (tile - wk.w) / (2 * wk.k));
+void tile_dot<kBF16, kF32>(const Work& wk, const uint8_t* tile, int64_t rows, int64_t i0, int r,
+                           float (*out)[kTile]) {
   for (int64_t l = 0; l < rows; ++l) {
     const uint16_t* wb = reinterpret_cast<const uint16_t*>(tile) + l * wk.k;
 #if defined(__AVX512F__)
@@ -324,16 +337,20 @@ constexpr int64_t tile_bytes(int format, int64_t k) {
 template <int kFormat, int kActs>
 void run_chunks(Work& wk) {
   const int64_t stride = tile_bytes(kFormat, wk.k);
-  const int64_t num_chunks = (wk.num_tiles + kChunkTiles - 1) / kChunkTiles;
   float out[kMaxRows][kTile];
-  for (int64_t c; (c = wk.next.fetch_add(1)) < num_chunks;) {
-    const int64_t t1 = std::min(wk.num_tiles, (c + 1) * kChunkTiles);
+  for (int64_t c; (c = wk.next.fetch_add(1)) < wk.num_chunks;) {
+    int p = 0;
+    while (p + 1 < wk.num_parts && wk.parts[p + 1].first_chunk <= c) ++p;
+    const Part& part = wk.parts[p];
+    const int64_t t0 = (c - part.first_chunk) * kChunkTiles;
+    const int64_t t1 = std::min(part.num_tiles, t0 + kChunkTiles);
     for (int64_t i0 = 0; i0 < wk.m; i0 += kMaxRows) {
       const int r = int(std::min<int64_t>(kMaxRows, wk.m - i0));
-      for (int64_t t = c * kChunkTiles; t < t1; ++t) {
-        tile_dot<kFormat, kActs>(wk, wk.w + t * stride, i0, r, out);
-        const int64_t lanes = std::min<int64_t>(kTile, wk.n - t * kTile);
-        for (int i = 0; i < r; ++i) std::memcpy(wk.y + (i0 + i) * wk.n + t * kTile, out[i], lanes * sizeof(float));
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t lanes = std::min<int64_t>(kTile, part.n - t * kTile);
+        tile_dot<kFormat, kActs>(wk, part.w + t * stride, lanes, i0, r, out);
+        for (int i = 0; i < r; ++i)
+          std::memcpy(part.y + (i0 + i) * part.n + t * kTile, out[i], lanes * sizeof(float));
       }
     }
     wk.done.fetch_add(1, std::memory_order_release);
@@ -373,29 +390,40 @@ void prepare_x(Work& wk) {
   }
 }
 
+// y_p[M, n_p] = x[M, K] @ W_p^T for each weight p of the call (x, then the weights, then the
+// results, in the same order).
 template <int kFormat, int kActs>
-ffi::Error quant_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                        ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error quant_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                        ffi::RemainingRets ys) {
   auto xd = x.dimensions();
-  auto wd = w.dimensions();
-  auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument("x, w and y must be 2-D");
-  const int64_t m = xd[0], k = xd[1], n = yd[1];
-  const int64_t num_tiles = kFormat == kBF16 ? (n + kTile - 1) / kTile : wd[0];
-  if (k % kBlock || yd[0] != m || n > num_tiles * kTile || n <= (num_tiles - 1) * kTile)
-    return ffi::Error::InvalidArgument("x, w and y's shapes do not fit one another");
-  if (kFormat == kBF16 ? (wd[0] != n || wd[1] != 2 * k) : wd[1] != tile_bytes(kFormat, k))
-    return ffi::Error::InvalidArgument("w's bytes do not match x's inner dimension for this format");
+  if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be 2-D");
+  if (ws.size() != ys.size() || ws.size() < 1 || ws.size() > size_t(kMaxParts))
+    return ffi::Error::InvalidArgument("give 1 to 4 weights and as many results");
   auto work = std::make_shared<Work>();
   work->x = x.typed_data();
-  work->w = w.typed_data();
-  work->y = y->typed_data();
-  work->m = m;
-  work->n = n;
-  work->k = k;
-  work->num_tiles = num_tiles;
+  work->m = xd[0];
+  work->k = xd[1];
+  if (work->k % kBlock) return ffi::Error::InvalidArgument("x's inner dimension must be a multiple of 32");
+  work->num_parts = int(ws.size());
+  int64_t num_chunks = 0;
+  for (size_t p = 0; p < ws.size(); ++p) {
+    auto w = ws.get<ffi::Buffer<ffi::U8>>(p);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(p);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("weights must be u8, results f32");
+    auto wd = w->dimensions();
+    auto yd = (*y)->dimensions();
+    if (wd.size() != 2 || yd.size() != 2) return ffi::Error::InvalidArgument("w and y must be 2-D");
+    const int64_t n = yd[1];
+    const int64_t num_tiles = kFormat == kBF16 ? (n + kTile - 1) / kTile : wd[0];
+    if (yd[0] != work->m || n > num_tiles * kTile || n <= (num_tiles - 1) * kTile)
+      return ffi::Error::InvalidArgument("x, w and y's shapes do not fit one another");
+    if (kFormat == kBF16 ? (wd[0] != n || wd[1] != 2 * work->k) : wd[1] != tile_bytes(kFormat, work->k))
+      return ffi::Error::InvalidArgument("w's bytes do not match x's inner dimension for this format");
+    work->parts[p] = Part{w->typed_data(), (*y)->typed_data(), n, num_tiles, num_chunks};
+    num_chunks += (num_tiles + kChunkTiles - 1) / kChunkTiles;
+  }
+  work->num_chunks = num_chunks;
   if (kFormat != kBF16) prepare_x<kActs>(*work);
-  const int64_t num_chunks = (num_tiles + kChunkTiles - 1) / kChunkTiles;
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_chunks - 1);
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { run_chunks<kFormat, kActs>(*work); });
   run_chunks<kFormat, kActs>(*work);
@@ -411,8 +439,8 @@ ffi::Error quant_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
                                 ffi::Ffi::Bind()                                  \
                                     .Ctx<ffi::ThreadPool>()                       \
                                     .Arg<ffi::Buffer<ffi::F32>>()                 \
-                                    .Arg<ffi::Buffer<ffi::U8>>()                  \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+                                    .RemainingArgs()                              \
+                                    .RemainingRets());
 
 PJ_DEFINE(pj_quant_matmul_q8_0, kQ8_0, kF32)
 PJ_DEFINE(pj_quant_matmul_q4_1, kQ4_1, kF32)

@@ -44,9 +44,9 @@ import numpy as np
 
 from cpu_kernels import native
 
-__all__ = ["ACTIVATIONS", "TILE_ROWS", "WEIGHT_FORMATS", "dequantize", "dequantize_reference", "dequantize_rows",
-           "native_available", "pack", "quant_matmul", "quant_matmul_reference", "quantize_activations_reference",
-           "row_bytes", "stored_shape", "tile_rows", "untile_rows"]
+__all__ = ["ACTIVATIONS", "MAX_GROUP", "TILE_ROWS", "WEIGHT_FORMATS", "dequantize", "dequantize_reference",
+           "dequantize_rows", "native_available", "pack", "quant_matmul", "quant_matmul_group", "quant_matmul_reference",
+           "quantize_activations_reference", "row_bytes", "stored_shape", "tile_rows", "untile_rows"]
 
 # format -> (elements per block, bytes per block)
 WEIGHT_FORMATS = {"q8_0": (32, 34), "q4_1": (32, 20), "bf16": (1, 2)}
@@ -57,6 +57,7 @@ _LOADS = {"q8_0": 8, "q4_1": 4}  # 64-byte loads of a tile block's values
 _HEADER = {"q8_0": 32, "q4_1": 64}  # bytes of f16 d[16] (and m[16]) before them
 _SOURCE = os.path.join(os.path.dirname(__file__), "quant_matmul.cc")
 _TARGET = "pj_quant_matmul"
+MAX_GROUP = 4  # weights one quant_matmul_group call takes (quant_matmul.cc kMaxParts)
 
 
 def row_bytes(fmt: str, k: int) -> int:
@@ -275,13 +276,56 @@ def _xla_matmul(x, data, fmt: str, n: int, activations: str):
     return jnp.einsum("MK,NK->MN", x, w, preferred_element_type=jnp.float32)
 
 
-def _native_matmul(x, data, fmt: str, n: int, activations: str, prefix: str = _TARGET):
-    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
-    return jax.ffi.ffi_call(_targets(fmt, activations, prefix), out)(x, data)
+def _native_matmul(x, *datas, fmt: str, ns: tuple[int, ...], activations: str, prefix: str = _TARGET):
+    outs = tuple(jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32) for n in ns)
+    return tuple(jax.ffi.ffi_call(_targets(fmt, activations, prefix), outs)(x, *datas))
+
+
+def _xla_matmuls(x, *datas, fmt: str, ns: tuple[int, ...], activations: str):
+    return tuple(_xla_matmul(x, data, fmt, n, activations) for data, n in zip(datas, ns))
+
+
+def quant_matmul_group(x, datas, fmt: str, ns, activations: str = "float32", *, native: str | None = _TARGET):
+    """x @ W_p^T for each weight W_p [ns[p], K] of datas, all stored in fmt: one native call
+    (x prepared once, every weight's tiles one list of work), the same numbers as one
+    quant_matmul per weight. A layer's q, k and v (or gate and up) take one call instead of three.
+
+    Args:
+      x: f32[M, K] (other float dtypes are cast to f32).
+      datas: 1 to 4 stored weights, each u8[stored_shape(fmt, ns[p], K)].
+      fmt: a WEIGHT_FORMATS key.
+      ns: each weight's rows (outputs).
+      activations: "float32" (exact) or "int8" (module docstring).
+      native: the registered kernel's name prefix (None: XLA's path only; tests name a build of
+        their own).
+    Returns:
+      a tuple of f32[M, ns[p]].
+    Raises:
+      ValueError when a weight's shape is not its ns entry's in fmt, for an unknown activations,
+      or for more than 4 weights.
+    """
+    _check_activations(activations, fmt)
+    datas, ns = tuple(datas), tuple(int(n) for n in ns)
+    if not 1 <= len(datas) <= MAX_GROUP or len(ns) != len(datas):
+        raise ValueError(f"quant_matmul_group takes 1 to {MAX_GROUP} weights and one n each; "
+                         f"got {len(datas)} weights and ns={ns}")
+    if x.ndim != 2:
+        raise ValueError(f"quant_matmul takes x [M, K]; got {x.shape}")
+    for data, n in zip(datas, ns):
+        if data.ndim != 2 or tuple(data.shape) != stored_shape(fmt, n, x.shape[1]):
+            raise ValueError(f"data of shape {tuple(data.shape)} is not a {fmt} weight of {n} rows of K={x.shape[1]} "
+                             f"(stored as {stored_shape(fmt, n, x.shape[1])})")
+    x = x.astype(jnp.float32)
+    xla = functools.partial(_xla_matmuls, fmt=fmt, ns=ns, activations=activations)
+    if native is None or (native == _TARGET and not native_available()):
+        return xla(x, *datas)
+    return jax.lax.platform_dependent(
+        x, *datas, cpu=functools.partial(_native_matmul, fmt=fmt, ns=ns, activations=activations, prefix=native),
+        default=xla)
 
 
 def quant_matmul(x, data, fmt: str, n: int, activations: str = "float32", *, native: str | None = _TARGET):
-    """x @ W^T for W [n, K] stored in fmt.
+    """x @ W^T for W [n, K] stored in fmt: f32[M, n] (quant_matmul_group of one weight).
 
     Args:
       x: f32[M, K] (other float dtypes are cast to f32).
@@ -289,26 +333,11 @@ def quant_matmul(x, data, fmt: str, n: int, activations: str = "float32", *, nat
       fmt: a WEIGHT_FORMATS key.
       n: W's rows (outputs).
       activations: "float32" (exact) or "int8" (module docstring).
-      native: the registered kernel's name prefix (None: XLA's path only; tests name a build of
-        their own).
-    Returns:
-      f32[M, n].
+      native: as quant_matmul_group's.
     Raises:
       ValueError when data's shape is not W's in fmt, or for an unknown activations.
     """
-    _check_activations(activations, fmt)
-    if x.ndim != 2 or data.ndim != 2:
-        raise ValueError(f"quant_matmul takes x [M, K] and data [rows, bytes]; got {x.shape} and {data.shape}")
-    if tuple(data.shape) != stored_shape(fmt, n, x.shape[1]):
-        raise ValueError(f"data of shape {tuple(data.shape)} is not a {fmt} weight of {n} rows of K={x.shape[1]} "
-                         f"(stored as {stored_shape(fmt, n, x.shape[1])})")
-    x = x.astype(jnp.float32)
-    xla = functools.partial(_xla_matmul, fmt=fmt, n=n, activations=activations)
-    if native is None or (native == _TARGET and not native_available()):
-        return xla(x, data)
-    return jax.lax.platform_dependent(
-        x, data, cpu=functools.partial(_native_matmul, fmt=fmt, n=n, activations=activations, prefix=native),
-        default=xla)
+    return quant_matmul_group(x, (data,), fmt, (n,), activations, native=native)[0]
 
 
 def quant_matmul_reference(x, data, fmt: str, n: int, activations: str = "float32"):

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from models.config import Llama3RopeScaling
-from models.packed_weight import embed_rows, linear, logits
+from models.packed_weight import embed_rows, linear, linear_group, logits
 
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -104,8 +104,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x):
         dt = self.dtype
-        gate = linear(x, self.gate_proj, dt)  # [..., F]
-        up = linear(x, self.up_proj, dt)
+        gate, up = linear_group(x, (self.gate_proj, self.up_proj), dt)  # [..., F] each
         return linear(jax.nn.silu(gate) * up, self.down_proj, dt)  # [..., D]
 
 

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from cpu_kernels.quant_matmul import ACTIVATIONS, TILED, dequantize, dequantize_rows, pack, quant_matmul, tile_rows
+from cpu_kernels.quant_matmul import (ACTIVATIONS, MAX_GROUP, TILED, dequantize, dequantize_rows, pack, quant_matmul,
+                                      quant_matmul_group, tile_rows)
 
-__all__ = ["ACTIVATIONS", "WEIGHT_DTYPES", "PackedWeight", "embed_rows", "linear", "pack_model", "packed_formats",
-           "set_activations", "weight_format"]
+__all__ = ["ACTIVATIONS", "WEIGHT_DTYPES", "PackedWeight", "embed_rows", "linear", "linear_group", "pack_model",
+           "packed_formats", "set_activations", "weight_format"]
 
 # LLM(weight_dtype=...): auto keeps what the checkpoint stores (a GGUF's blocks as they are, a HF
 # checkpoint's dtype); the others store every linear weight and the embedding in one format.
@@ -102,6 +103,29 @@ def linear(x, w, dtype, num_in: int = 1):
     else:
         y = x2 @ w.astype(dtype).reshape(x2.shape[1], -1)
     return y.astype(dtype).reshape(*lead, *out_shape)
+
+
+def linear_group(x, ws, dtype):
+    """(linear(x, w, dtype) for w in ws) for weights that share their input axis (a layer's q,
+    k and v, or gate and up), as one matmul call when they can be.
+
+    When every w is a PackedWeight of one format and activations with one input axis, and there
+    are at most MAX_GROUP, one quant_matmul_group call does them all (x prepared once, one
+    dispatch: on a CPU decode step the per-call cost is a visible share of a small matrix's
+    time). Otherwise each is its own linear. The results are the same either way.
+    """
+    vals = [_value(w) for w in ws]
+    first = vals[0]
+    fusable = (isinstance(first, PackedWeight) and len(vals) <= MAX_GROUP
+               and all(isinstance(w, PackedWeight) and w.in_axes == (0,) and w.format == first.format
+                       and w.activations == first.activations and w.num_inputs == first.num_inputs for w in vals))
+    if not fusable:
+        return tuple(linear(x, w, dtype) for w in vals)
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), x.shape[-1])
+    ys = quant_matmul_group(x2, [w.data for w in vals], first.format, [w.num_outputs for w in vals],
+                            first.activations)
+    return tuple(y.astype(dtype).reshape(*lead, *w.shape[1:]) for y, w in zip(ys, vals))
 
 
 def logits(x, head):

@@ -93,6 +93,24 @@ def test_quant_matmul_matches_reference(fmt, activations, m, k, n):
     _check(np.asarray(_matmul(x, data, fmt, n, activations)), x, data, fmt, n, activations)
 
 
+_group = jax.jit(qm.quant_matmul_group, static_argnums=(2, 3, 4), static_argnames="native")
+
+
+@pytest.mark.parametrize("fmt,activations", KINDS)
+@pytest.mark.parametrize("native", [qm._TARGET, None])
+def test_grouped_matmul_is_one_matmul_per_weight(fmt, activations, native):
+    # q, k, v-like weights (a part tile in the middle of the group, one of fewer rows than a
+    # tile): each output is what its own call gives, bit for bit, and the reference's.
+    m, k, ns = 3, 96, (40, 16, 7)
+    x = np.random.default_rng(3).standard_normal((m, k)).astype(np.float32)
+    datas = [_case(fmt, 1, k, n, seed=10 + n)[1] for n in ns]
+    ys = _group(x, datas, fmt, ns, activations, native=native)
+    assert len(ys) == len(ns)
+    for y, data, n in zip(ys, datas, ns):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(_matmul(x, data, fmt, n, activations, native=native)))
+        _check(np.asarray(y), x, data, fmt, n, activations)
+
+
 def test_int8_activations_lose_little():
     # The quantized matmul is near the exact one (x's rounding, ~1/254 of each block's max).
     x, data, _ = _case("q4_1", 4, 576, 64, seed=1)
@@ -118,6 +136,8 @@ def test_portable_kernel_matches_reference():
         x, data, _ = _case(fmt, 5, 96, 21, seed=7)
         y = np.asarray(_matmul(x, data, fmt, 21, activations, native="pj_test_portable"))
         _check(y, x, data, fmt, 21, activations)
+        y2, y1 = _group(x, [_case(fmt, 1, 96, 40)[1], data], fmt, (40, 21), activations, native="pj_test_portable")
+        np.testing.assert_array_equal(np.asarray(y1), y)
 
 
 @pytest.mark.parametrize("fmt,activations", KINDS)
@@ -141,6 +161,10 @@ def test_bad_arguments_raise_value_errors():
         qm.quant_matmul(x, qm.pack(np.ones((3, 64)), "bf16"), "bf16", 3, "int8")
     with pytest.raises(ValueError, match="activations='fp8'"):
         qm.quant_matmul(x, data, "q8_0", 3, "fp8")
+    with pytest.raises(ValueError, match="1 to 4 weights and one n each"):
+        qm.quant_matmul_group(x, [data] * 5, "q8_0", [3] * 5)
+    with pytest.raises(ValueError, match="1 to 4 weights and one n each"):
+        qm.quant_matmul_group(x, [data, data], "q8_0", [3])
 
 
 @pytest.mark.parametrize("weight_dtype,fmt", [("int8", "q8_0"), ("bfloat16", "bf16")])

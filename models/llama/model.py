@@ -30,7 +30,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from models.kv_cache_spec import FullAttentionSpec, KVCacheSpec, attention_spec
-from models.packed_weight import linear
+from models.packed_weight import linear, linear_group
 from models.layers import MASK_VALUE, MLP, CausalLM, PreNormBlock, RMSNorm, apply_rope, normal_param, rope_inv_freq
 from models.llama.config import LlamaConfig
 from paged_jax.sharding import TP_AXIS
@@ -69,9 +69,7 @@ class Attention(nnx.Module):
     def _qkv(self, x, positions):
         dt = self.config.dtype
         inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        q = linear(x, self.q_proj, dt)  # [..., N, H]
-        k = linear(x, self.k_proj, dt)  # [..., K, H]
-        v = linear(x, self.v_proj, dt)
+        q, k, v = linear_group(x, (self.q_proj, self.k_proj, self.v_proj), dt)  # [..., N | K | K, H]
         return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
     def _out(self, attn):
