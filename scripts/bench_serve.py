@@ -111,7 +111,7 @@ def percentile(xs, q):
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
-async def stream_completion(host: str, port: int, body: dict) -> tuple[list[float], int]:
+async def stream_completion(host: str, port: int, body: dict, path: str = "/v1/completions") -> tuple[list[float], int]:
     """POSTs one streaming completion over a connection of its own; returns the arrival time of
     each SSE chunk that carried tokens and the number of tokens.
 
@@ -120,12 +120,15 @@ async def stream_completion(host: str, port: int, body: dict) -> tuple[list[floa
     aiohttp: the client shares this machine with the server, and every microsecond it spends
     per chunk is taken from the server's processes (httpx's per-line iterators cost this
     2-core machine ~0.6 of a core at saturation).
+
+    path: the OpenAI route (events count their choices' token_ids), or llama-server's own
+    /completion (events count their `tokens`, with return_tokens in body).
     """
     payload = json.dumps(body).encode()
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (host.encode(), port, len(payload))
+        writer.write(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n" % (path.encode(), host.encode(), port, len(payload))
                      + payload)
         status = await reader.readline()
         headers = (await reader.readuntil(b"\r\n\r\n")).lower()
@@ -139,8 +142,11 @@ async def stream_completion(host: str, port: int, body: dict) -> tuple[list[floa
             *events, pending = pending.split(b"\n\n")
             for event in events:
                 if event.startswith(b"data: {"):
-                    choices = json.loads(event[6:])["choices"]
-                    n = len(choices[0].get("token_ids") or []) if choices else 0
+                    data = json.loads(event[6:])
+                    if "choices" in data:
+                        n = len(data["choices"][0].get("token_ids") or []) if data["choices"] else 0
+                    else:
+                        n = len(data.get("tokens") or [])
                     if n:
                         times.append(time.perf_counter())
                         count += n
