@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 
 from flax import nnx
 
-from models import deepseek_v2, llama
+from models import deepseek_v2, llama, mistral, phi3, qwen2, qwen3, qwen3_moe
 from models.gguf import get_architecture
 from models.packed_weight import pack_model, packed_formats, set_activations, weight_format
 from models.named_models import NAMED_MODELS, gguf_path
@@ -82,6 +82,19 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 llama.load_gguf_checkpoint, packed_weights=True),
     ModelFamily("deepseek_v2", ("DeepseekV2ForCausalLM",), deepseek_v2.DeepseekV2ForCausalLM,
                 deepseek_v2.DeepseekV2Config, deepseek_v2.PRESETS, deepseek_v2.load_hf_checkpoint),
+    ModelFamily("qwen2", ("Qwen2ForCausalLM",), qwen2.Qwen2ForCausalLM, qwen2.Qwen2Config, qwen2.PRESETS,
+                qwen2.load_hf_checkpoint, qwen2.GGUF_ARCHITECTURES, qwen2.read_gguf_config,
+                qwen2.load_gguf_checkpoint, packed_weights=True),
+    ModelFamily("qwen3", ("Qwen3ForCausalLM",), qwen3.Qwen3ForCausalLM, qwen3.Qwen3Config, qwen3.PRESETS,
+                qwen3.load_hf_checkpoint, qwen3.GGUF_ARCHITECTURES, qwen3.read_gguf_config,
+                qwen3.load_gguf_checkpoint, packed_weights=True),
+    ModelFamily("qwen3_moe", ("Qwen3MoeForCausalLM",), qwen3_moe.Qwen3MoeForCausalLM, qwen3_moe.Qwen3MoeConfig,
+                qwen3_moe.PRESETS, qwen3_moe.load_hf_checkpoint),
+    # Llama's model; llama.cpp writes Mistral GGUFs as "llama", which the Llama row reads.
+    ModelFamily("mistral", ("MistralForCausalLM",), mistral.LlamaForCausalLM, mistral.MistralConfig,
+                mistral.PRESETS, mistral.load_hf_checkpoint, packed_weights=True),
+    ModelFamily("phi3", ("Phi3ForCausalLM",), phi3.Phi3ForCausalLM, phi3.Phi3Config, phi3.PRESETS,
+                phi3.load_hf_checkpoint, packed_weights=True),
 )
 
 

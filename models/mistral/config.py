@@ -1,0 +1,63 @@
+"""MistralConfig: Mistral (MistralForCausalLM) without a sliding window, which is Llama.
+
+A Mistral decoder is Llama's (GQA, SwiGLU, rotate_half RoPE, untied head) plus an optional
+sliding window over the keys. Sliding-window attention is not served yet, so a config whose
+sliding_window is shorter than max_position_embeddings is refused (sliding_window null, as
+Mistral-7B v0.2 / v0.3 write it, or a window at least the context long, never slides).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.llama.config import LlamaConfig
+from models.qwen2.config import check_architecture, llama_fields
+
+__all__ = ["PRESETS", "MistralConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MistralConfig(LlamaConfig):
+    """LlamaConfig's fields: the model is models.llama.LlamaForCausalLM."""
+
+    @classmethod
+    def from_hf_config(cls, hf: dict, *, dtype=None, param_dtype=None) -> MistralConfig:
+        """A Mistral config.json (transformers 4.x or 5.x keys) -> MistralConfig.
+
+        Raises:
+          ValueError naming the field: another architecture, a sliding window, a RoPE type
+          other than default / llama3, a missing shape.
+        """
+        check_architecture(hf, "mistral", "MistralForCausalLM")
+        window, max_len = hf.get("sliding_window"), hf.get("max_position_embeddings", 2048)
+        if window is not None and window < max_len:
+            raise ValueError(f"sliding_window={window} is shorter than max_position_embeddings={max_len}: "
+                             "sliding-window attention is not supported yet; use a checkpoint with sliding_window "
+                             "null")
+        return cls(**llama_fields(hf, dtype=dtype, param_dtype=param_dtype))
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> MistralConfig:
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return dataclasses.replace(PRESETS[name], **overrides)
+
+    def to_hf_config(self) -> dict:
+        config = {**super().to_hf_config(), "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+                  "sliding_window": None}
+        for key in ("attention_bias", "mlp_bias"):
+            del config[key]
+        return config
+
+
+PRESETS: dict[str, MistralConfig] = {
+    "tiny-mistral": MistralConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=16, rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_ids=(2,)),
+    # mistralai/Mistral-7B-Instruct-v0.3
+    "mistral-7b-v0.3": MistralConfig(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=32768,
+        bos_token_id=1, eos_token_ids=(2,), param_dtype="bfloat16", dtype="bfloat16"),
+}
