@@ -53,6 +53,27 @@ def test_kernel_matches_float64_and_the_xla_loop(heads, head_dim, dtype, name, m
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("seq_lens", [[1000], [777, 2], [300, 129, 1]])
+def test_long_decodes_match(dtype, seq_lens):
+    # Contexts far past the other tests' 128 keys (a real model's decode at 300-1000 tokens),
+    # beside 1- and 2-key sequences, with few (sequence, KV head) tasks for the threads.
+    rng = np.random.default_rng(len(seq_lens))
+    batch = build_batch(rng, [1] * len(seq_lens), seq_lens, num_q_heads=9, num_kv_heads=3, head_dim=64,
+                        block_size=16, dtype=dtype, num_tokens=8, max_num_seqs=4, max_blocks_per_seq=64)
+    q, k, v, tables, lens, qsl, num_seqs = batch
+    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(tables),
+            jnp.asarray(lens), jnp.asarray(qsl), jnp.asarray(num_seqs))
+    real = slice(0, int(qsl[num_seqs]))
+    out = np.asarray(jax.jit(cpu_attention.decode_attention, static_argnames="sm_scale")(
+        *args, sm_scale=float(1 / np.sqrt(64))))
+    loop = np.asarray(jax.jit(ragged_paged_attention_xla, static_argnames="sm_scale")(
+        *args, sm_scale=float(1 / np.sqrt(64)))[real].astype(jnp.float32))
+    np.testing.assert_allclose(out[real], attention_f64(*batch)[real], **TOLERANCE[dtype])
+    np.testing.assert_allclose(out[real], loop, **TOLERANCE[dtype])
+
+
+@needs_native
 def test_kernel_leaves_prefill_rows_zero():
     _, args, _ = _batch("mixed", 8, 2, 64, jnp.float32)
     q, k, v, tables, seq_lens, qsl, num_seqs = args
