@@ -112,15 +112,7 @@ class LlamaServer:
         self.proc = subprocess.Popen([os.path.join(llama_dir, "llama-server"), "-m", gguf, "-t", str(threads),
                                       "-np", "1", "-c", str(ctx), "--port", str(self.port), "--no-webui"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError("llama-server did not start")
+        _wait_healthy(f"http://127.0.0.1:{self.port}", self.proc, "llama-server", 120)
 
     def run(self, prompt_ids: list[int], max_tokens: int) -> dict:
         out = _post(f"http://127.0.0.1:{self.port}/completion",
