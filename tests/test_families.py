@@ -5,7 +5,8 @@ torch, saved with save_pretrained (safetensors) and loaded through models.regist
 as a user's directory would be:
 - every family and variant: the dense forward gives transformers' float32 logits within 1e-4
   (relative to the largest) on a batch of prompts;
-- Qwen3 and Qwen2: LLM(<directory>) generates transformers' greedy tokens while its pool is
+- every family (Qwen3, Qwen2, Qwen3-MoE, Mistral, Phi-3): LLM(<directory>) generates
+  transformers' greedy tokens while its pool is
   small enough to preempt and half the prompts share a cached prefix;
 - Qwen3 and Qwen2 converted by llama.cpp's own convert_hf_to_gguf.py (skipped where llama.cpp's
   source is not unpacked, as in CI): the GGUF gives the same logits;
@@ -200,6 +201,24 @@ def test_qwen3_moe_fused_expert_tensors(checkpoint, tmp_path):
     check_dense(load_model(str(tmp_path)), ref, "fused experts")
 
 
+def test_each_tensor_is_placed_by_its_own_rule(checkpoint):
+    """The loader calls place= with each parameter's own name, the key of its rule: a bias is
+    placed as q_bias (split flat), never by its projection's [D, N, H] rule."""
+    ref, path = checkpoint("qwen2-untied")
+    ranks = {}
+
+    def place(name, value):
+        ranks.setdefault(name, set()).add(value.ndim)
+        return jnp.asarray(value)
+
+    model = qwen2.load_hf_checkpoint(str(path), place=place)
+    rules = type(model).param_partition_rules
+    assert {"q_bias", "k_bias", "v_bias", "q_proj", "o_proj", "embed_tokens", "lm_head"} <= set(ranks)
+    for name, placed in ranks.items():
+        assert name not in rules or placed == {len(rules[name])}, f"{name} of ranks {placed} placed by {rules[name]}"
+    check_dense(model, ref, "placed qwen2")
+
+
 # ---------------------------------------------------------------- engine
 
 
@@ -212,7 +231,7 @@ def hf_greedy(model, prompt, max_tokens):
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen2-tied"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2-tied", "qwen3-moe-norm", "mistral", "phi3"])
 def test_engine_greedy_equals_transformers_under_preemption_and_prefix_caching(checkpoint, name):
     ref, path = checkpoint(name)
     rng = np.random.default_rng(0)

@@ -8,6 +8,7 @@ forward, so the same loaded weights run on either path.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from models.config import Llama3RopeScaling, canonical_dtype, check_positive_ints, normalize_token_ids_and_dtypes
 
@@ -38,6 +39,11 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...] = ()
     param_dtype: str = "float32"
     dtype: str = "float32"
+
+    # The config.json model_type and architectures this class reads and writes; a family's
+    # subclass names its own (check_architecture refuses every other).
+    hf_model_type: ClassVar[str] = "llama"
+    hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
 
     def __post_init__(self):
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -71,17 +77,35 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict, *, dtype=None, param_dtype=None) -> LlamaConfig:
-        """A HF config.json dict (transformers 4.x or 5.x) -> LlamaConfig.
+        """A HF config.json dict (transformers 4.x or 5.x) -> a config of this class.
 
         4.x writes rope_theta + rope_scaling + torch_dtype; 5.x writes rope_parameters (with
         rope_type, rope_theta and the llama3 factors) + dtype. param_dtype defaults to the
         checkpoint's dtype, dtype (compute) to param_dtype.
+
+        Raises:
+          ValueError naming the field: another architecture (check_architecture), or a key
+          hf_fields cannot serve.
         """
+        cls.check_architecture(hf)
+        return cls(**cls.hf_fields(hf, dtype=dtype, param_dtype=param_dtype))
+
+    @classmethod
+    def check_architecture(cls, hf: dict) -> None:
+        """ValueError unless config.json's model_type is hf_model_type and its architectures hf_architectures'."""
         model_type = hf.get("model_type")
         architectures = hf.get("architectures") or []
-        if model_type != "llama" or any(a != "LlamaForCausalLM" for a in architectures):
-            raise ValueError(f"model_type={model_type!r} architectures={architectures} is not supported; "
-                             "only Llama checkpoints (model_type 'llama', LlamaForCausalLM) load")
+        if model_type != cls.hf_model_type or any(a not in cls.hf_architectures for a in architectures):
+            raise ValueError(f"model_type={model_type!r} architectures={architectures} is not supported; only "
+                             f"{'/'.join(cls.hf_architectures)} checkpoints (model_type {cls.hf_model_type!r}) load")
+
+    @classmethod
+    def hf_fields(cls, hf: dict, *, dtype=None, param_dtype=None) -> dict:
+        """This class's fields from config.json's Llama keys (shapes, RoPE, dtypes, token ids),
+        architecture unchecked: ValueError naming a key Llama's decoder cannot serve.
+
+        A family's subclass extends it: its own refusals first, then its own fields added.
+        """
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported; Llama uses 'silu'")
         for flag in ("attention_bias", "mlp_bias"):
@@ -109,7 +133,7 @@ class LlamaConfig:
         param_dtype = canonical_dtype(param_dtype if param_dtype is not None else ckpt_dtype, "param_dtype")
         eos = hf.get("eos_token_id")
         num_heads = hf["num_attention_heads"]
-        return cls(
+        return dict(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
@@ -129,13 +153,14 @@ class LlamaConfig:
         )
 
     def to_hf_config(self) -> dict:
-        """The config.json a HF Llama checkpoint of these shapes carries (4.x keys, read by 5.x too)."""
+        """The config.json a HF checkpoint of these shapes carries (4.x keys, read by 5.x too;
+        model_type and architectures this class's)."""
         scaling = None
         if self.rope_scaling is not None:
             scaling = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
         eos = list(self.eos_token_ids)
         return {
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "architectures": list(self.hf_architectures), "model_type": self.hf_model_type, "hidden_act": "silu",
             "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,

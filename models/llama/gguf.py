@@ -27,18 +27,19 @@ from models.llama.hf import model_from_hf_tensors
 from models.llama.model import LlamaForCausalLM
 from models.packed_weight import pack_model
 
-__all__ = ["GGUF_ARCHITECTURES", "load_gguf_checkpoint", "read_gguf_config"]
+__all__ = ["BLOCK_TENSORS", "GGUF_ARCHITECTURES", "GLOBAL_TENSORS", "load_gguf_checkpoint", "read_gguf_config"]
 
 GGUF_ARCHITECTURES = ("llama",)  # general.architecture values this map reads
 
-# GGUF tensor name -> HF tensor name (blocks: blk.{i}.<key>.weight -> model.layers.{i}.<value>.weight).
-_GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
-                   "output_norm.weight": "model.norm.weight",
-                   "output.weight": "lm_head.weight"}
-_BLOCK_TENSORS = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-                  "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-                  "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
-                  "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+# GGUF tensor name -> HF tensor name (blocks: blk.{i}.<key>.weight -> model.layers.{i}.<value>.weight);
+# the families whose GGUFs llama.cpp writes with Llama's names read them too (models/qwen2/gguf.py).
+GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight",
+                  "output_norm.weight": "model.norm.weight",
+                  "output.weight": "lm_head.weight"}
+BLOCK_TENSORS = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                 "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+                 "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 # llama.cpp's encoding of llama3 RoPE scaling: per-frequency divisors, read into the config.
 _ROPE_FREQS = "rope_freqs.weight"
 
@@ -143,12 +144,12 @@ def read_gguf_config(reader_or_path, dtype=None, param_dtype=None) -> LlamaConfi
 
 
 def _hf_name(gguf_name: str) -> str | None:
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
+    if gguf_name in GLOBAL_TENSORS:
+        return GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_TENSORS \
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in BLOCK_TENSORS \
             and parts[3] == "weight":
-        return f"model.layers.{int(parts[1])}.{_BLOCK_TENSORS[parts[2]]}.weight"
+        return f"model.layers.{int(parts[1])}.{BLOCK_TENSORS[parts[2]]}.weight"
     return None
 
 
@@ -190,9 +191,9 @@ def load_gguf_checkpoint(path, dtype=None, param_dtype=None, place=None, weight_
         if hf is not None:
             by_hf[hf] = tensor
     num_layers = config.num_layers
-    missing = [f"blk.{i}.{part}.weight" for i in range(num_layers) for part in _BLOCK_TENSORS
-               if f"model.layers.{i}.{_BLOCK_TENSORS[part]}.weight" not in by_hf]
-    missing += [g for g, hf in _GLOBAL_TENSORS.items() if hf not in by_hf and g != "output.weight"]
+    missing = [f"blk.{i}.{part}.weight" for i in range(num_layers) for part in BLOCK_TENSORS
+               if f"model.layers.{i}.{BLOCK_TENSORS[part]}.weight" not in by_hf]
+    missing += [g for g, hf in GLOBAL_TENSORS.items() if hf not in by_hf and g != "output.weight"]
     if missing:
         raise ValueError(f"{name} is missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} "
                          f"for a {num_layers}-layer llama")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -66,11 +67,21 @@ class Attention(nnx.Module):
         self.v_proj = normal_param(rngs, (d, k, h), d, c.param_dtype)  # [D, K, H]
         self.o_proj = normal_param(rngs, (n, h, d), n * h, c.param_dtype)  # [N, H, D]
 
+    def _project(self, x):
+        """q [..., N, H], k [..., K, H], v [..., K, H] of x [..., D], before RoPE: where a family
+        adds to the projections (Qwen2's biases, Qwen3's per-head norms)."""
+        return linear_group(x, (self.q_proj, self.k_proj, self.v_proj), self.config.dtype)
+
+    def _rotate(self, q, k, positions):
+        """q and k rotated by positions (rotate_half RoPE): where a family rotates otherwise (Phi-3)."""
+        c = self.config
+        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+
     def _qkv(self, x, positions):
-        dt = self.config.dtype
-        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta, self.config.rope_scaling)
-        q, k, v = linear_group(x, (self.q_proj, self.k_proj, self.v_proj), dt)  # [..., N | K | K, H]
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        q, k, v = self._project(x)
+        q, k = self._rotate(q, k, positions)
+        return q, k, v
 
     def _out(self, attn):
         # One [T, N*H] x [N*H, D] matmul. As a contraction over two axes, XLA on CPU laid the
@@ -111,33 +122,50 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(PreNormBlock):
-    """Llama's block: GQA attention and a SwiGLU MLP."""
+    """Llama's block: GQA attention and a SwiGLU MLP.
 
-    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+    A family's layer names its attention in attention_class (built as attention_class(config,
+    rngs=...)); mlp, when given, replaces the SwiGLU MLP (Qwen3-MoE's experts).
+    """
+
+    attention_class: ClassVar[type[nnx.Module]] = Attention
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, mlp: nnx.Module | None = None):
         c = config
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
-        self.self_attn = Attention(c, rngs=rngs)
+        self.self_attn = self.attention_class(c, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps,
                                                 param_dtype=c.param_dtype, dtype=c.dtype)
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs)
+        self.mlp = mlp if mlp is not None else MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype,
+                                                   dtype=c.dtype, rngs=rngs)
 
 
 class LlamaForCausalLM(CausalLM):
-    """Embedding -> num_layers decoder layers -> final RMSNorm -> lm_head (or the tied embedding)."""
+    """Embedding -> num_layers decoder layers -> final RMSNorm -> lm_head (or the tied embedding).
+
+    A family built on it sets layer_class (its DecoderLayer) and param_partition_rules, or
+    overrides make_layer when its layers differ from one another (Qwen3-MoE).
+    """
 
     param_partition_rules = PARAM_PARTITION_RULES
+    layer_class: ClassVar[type[DecoderLayer]] = DecoderLayer
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         c = config
         self.config = c
         self.embed_tokens = nnx.Param(  # [V, D]
             jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), jnp.float32).astype(c.param_dtype))
-        self.layers = nnx.List([DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
+        self.layers = nnx.List([self.make_layer(c, i, rngs=rngs) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
         # Kept [V, D] like the embedding (and HF), so tied and untied heads share one einsum.
         self.lm_head = None if c.tie_word_embeddings else nnx.Param(
             (jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), jnp.float32)
              / math.sqrt(c.hidden_size)).astype(c.param_dtype))
+
+    @classmethod
+    def make_layer(cls, config: LlamaConfig, layer_id: int, *, rngs: nnx.Rngs) -> PreNormBlock:
+        """Decoder layer layer_id: a layer_class."""
+        return cls.layer_class(config, rngs=rngs)
 
     def kv_cache_specs(self, dtype=None, kv_cache_dtype: str = "auto",
                        kv_cache_scaling: str = "per_token") -> tuple[KVCacheSpec, ...]:

@@ -11,30 +11,29 @@ from __future__ import annotations
 import dataclasses
 
 from models.llama.config import LlamaConfig
-from models.qwen2.config import check_architecture, llama_fields
 
 __all__ = ["PRESETS", "MistralConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
 class MistralConfig(LlamaConfig):
-    """LlamaConfig's fields: the model is models.llama.LlamaForCausalLM."""
+    """LlamaConfig's fields: the model is models.llama.LlamaForCausalLM.
+
+    from_hf_config raises ValueError naming the field: another architecture, a sliding window,
+    a RoPE type other than default / llama3, a missing shape.
+    """
+
+    hf_model_type = "mistral"
+    hf_architectures = ("MistralForCausalLM",)
 
     @classmethod
-    def from_hf_config(cls, hf: dict, *, dtype=None, param_dtype=None) -> MistralConfig:
-        """A Mistral config.json (transformers 4.x or 5.x keys) -> MistralConfig.
-
-        Raises:
-          ValueError naming the field: another architecture, a sliding window, a RoPE type
-          other than default / llama3, a missing shape.
-        """
-        check_architecture(hf, "mistral", "MistralForCausalLM")
+    def hf_fields(cls, hf: dict, *, dtype=None, param_dtype=None) -> dict:
         window, max_len = hf.get("sliding_window"), hf.get("max_position_embeddings", 2048)
         if window is not None and window < max_len:
             raise ValueError(f"sliding_window={window} is shorter than max_position_embeddings={max_len}: "
                              "sliding-window attention is not supported yet; use a checkpoint with sliding_window "
                              "null")
-        return cls(**llama_fields(hf, dtype=dtype, param_dtype=param_dtype))
+        return super().hf_fields(hf, dtype=dtype, param_dtype=param_dtype)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> MistralConfig:
@@ -43,10 +42,8 @@ class MistralConfig(LlamaConfig):
         return dataclasses.replace(PRESETS[name], **overrides)
 
     def to_hf_config(self) -> dict:
-        config = {**super().to_hf_config(), "architectures": ["MistralForCausalLM"], "model_type": "mistral",
-                  "sliding_window": None}
-        for key in ("attention_bias", "mlp_bias"):
-            del config[key]
+        config = {**super().to_hf_config(), "sliding_window": None}
+        del config["attention_bias"], config["mlp_bias"]  # Llama's flags, not Mistral's
         return config
 
 

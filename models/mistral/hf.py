@@ -8,10 +8,9 @@ llama.cpp writes Mistral GGUFs as general.architecture "llama", so the Llama fam
 from __future__ import annotations
 
 from models.hf_checkpoint import hf_tensor_reader, read_hf_config, tensor_files
-from models.llama.hf import model_from_hf_tensors
+from models.llama.hf import model_from_hf_tensors, require_tensors
 from models.llama.model import LlamaForCausalLM
 from models.mistral.config import MistralConfig
-from models.qwen2.hf import require_tensors
 
 __all__ = ["load_hf_checkpoint"]
 

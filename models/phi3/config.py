@@ -24,7 +24,6 @@ import dataclasses
 import math
 
 from models.llama.config import LlamaConfig
-from models.qwen2.config import check_architecture, llama_fields
 
 __all__ = ["PRESETS", "ROPE_TYPES", "LongRopeScaling", "Phi3Config"]
 
@@ -65,6 +64,9 @@ class Phi3Config(LlamaConfig):
     when set, divides their frequencies and scales cos / sin.
     """
 
+    hf_model_type = "phi3"
+    hf_architectures = ("Phi3ForCausalLM",)
+
     partial_rotary_factor: float = 1.0
     long_rope: LongRopeScaling | None = None
 
@@ -97,7 +99,7 @@ class Phi3Config(LlamaConfig):
           ValueError naming the field: another architecture, a sliding window, a rope type
           not in ROPE_TYPES, factors of the wrong length.
         """
-        check_architecture(hf, "phi3", "Phi3ForCausalLM")
+        cls.check_architecture(hf)
         max_len = hf.get("max_position_embeddings", 4096)
         window = hf.get("sliding_window")
         if window is not None and window < max_len:
@@ -112,8 +114,8 @@ class Phi3Config(LlamaConfig):
             raise ValueError(f"rope_type={rope_type!r} is not supported; supported: {list(ROPE_TYPES)}")
         theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         partial = float(rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
-        fields = llama_fields({**hf, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-                               "rope_scaling": None}, dtype=dtype, param_dtype=param_dtype)
+        fields = cls.hf_fields({**hf, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+                                "rope_scaling": None}, dtype=dtype, param_dtype=param_dtype)
         long_rope = None
         if rope_type != "default":
             # transformers (standardize_rope_params) takes Phi-3's top-level value over the rope dict's.
@@ -145,10 +147,9 @@ class Phi3Config(LlamaConfig):
         if self.long_rope is not None:
             raise ValueError("to_hf_config: a Phi3Config keeps one set of LongRoPE factors and config.json needs "
                              "short_factor and long_factor; keep the checkpoint's own config.json")
-        config = {**super().to_hf_config(), "architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
-                  "partial_rotary_factor": self.partial_rotary_factor, "sliding_window": None}
-        for key in ("attention_bias", "mlp_bias"):
-            del config[key]
+        config = {**super().to_hf_config(), "partial_rotary_factor": self.partial_rotary_factor,
+                  "sliding_window": None}
+        del config["attention_bias"], config["mlp_bias"]  # Llama's flags, not Phi-3's
         return config
 
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flax import nnx
-
 from models.hf_checkpoint import hf_tensor_reader, read_hf_config, tensor_files
 from models.llama import hf as llama_hf
+from models.llama.hf import require_tensors
 from models.phi3.config import Phi3Config
 from models.phi3.model import Phi3ForCausalLM
-from models.qwen2.hf import require_tensors
 
 __all__ = ["load_hf_checkpoint", "model_from_hf_tensors", "split_fused"]
 
@@ -55,10 +53,7 @@ def model_from_hf_tensors(config: Phi3Config, get_tensor: Callable[[str], Any], 
       ValueError naming the tensor when one is missing or has the wrong shape.
     """
     get_tensor = split_fused(config, require_tensors(get_tensor, f"a {config.num_layers}-layer Phi-3"))
-    shared = nnx.state(llama_hf.model_from_hf_tensors(config, get_tensor, place))
-    model = nnx.eval_shape(lambda: Phi3ForCausalLM(config, rngs=nnx.Rngs(0)))
-    nnx.update(model, shared)
-    return model
+    return llama_hf.model_from_hf_tensors(config, get_tensor, place, model_class=Phi3ForCausalLM)
 
 
 def load_hf_checkpoint(path: str, dtype=None, param_dtype=None, place=None,

@@ -13,19 +13,16 @@ import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models.layers import MLP, PreNormBlock, RMSNorm, normal_param
 from models.llama.model import PARAM_PARTITION_RULES as LLAMA_RULES
-from models.llama.model import Attention, LlamaForCausalLM
-from models.packed_weight import linear
+from models.llama.model import Attention, DecoderLayer, LlamaForCausalLM
 from models.phi3.config import Phi3Config
 
-__all__ = ["PARAM_PARTITION_RULES", "Phi3Attention", "Phi3ForCausalLM", "apply_partial_rope", "rope_tables"]
+__all__ = ["PARAM_PARTITION_RULES", "Phi3Attention", "Phi3DecoderLayer", "Phi3ForCausalLM", "apply_partial_rope",
+           "rope_tables"]
 
 PARAM_PARTITION_RULES: Mapping[str, P] = MappingProxyType(dict(LLAMA_RULES))
 
@@ -58,38 +55,19 @@ def apply_partial_rope(x, positions, inv_freq, factor: float):
 class Phi3Attention(Attention):
     """Grouped-query attention with Phi-3's rotation (partial rotary dims, LongRoPE)."""
 
-    def _qkv(self, x, positions):
-        dt = self.config.dtype
+    def _rotate(self, q, k, positions):
         inv_freq, factor = rope_tables(self.config)
-        q = linear(x, self.q_proj, dt)  # [..., N, H]
-        k = linear(x, self.k_proj, dt)  # [..., K, H]
-        v = linear(x, self.v_proj, dt)
-        return apply_partial_rope(q, positions, inv_freq, factor), apply_partial_rope(k, positions, inv_freq, factor), v
+        return apply_partial_rope(q, positions, inv_freq, factor), apply_partial_rope(k, positions, inv_freq, factor)
 
 
-class Phi3DecoderLayer(PreNormBlock):
+class Phi3DecoderLayer(DecoderLayer):
     """Llama's block with Phi-3's attention."""
 
-    def __init__(self, config: Phi3Config, *, rngs: nnx.Rngs):
-        c = config
-        norm = functools.partial(RMSNorm, c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
-        self.input_layernorm = norm()
-        self.self_attn = Phi3Attention(c, rngs=rngs)
-        self.post_attention_layernorm = norm()
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs)
+    attention_class = Phi3Attention
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM (stages, KV-cache specs) over Phi-3's layers."""
 
     param_partition_rules = PARAM_PARTITION_RULES
-
-    def __init__(self, config: Phi3Config, *, rngs: nnx.Rngs):
-        c = config
-        self.config = c
-        self.embed_tokens = nnx.Param(  # [V, D]
-            jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), jnp.float32).astype(c.param_dtype))
-        self.layers = nnx.List([Phi3DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
-        self.lm_head = None if c.tie_word_embeddings else normal_param(
-            rngs, (c.vocab_size, c.hidden_size), c.hidden_size, c.param_dtype)  # [V, D]
+    layer_class = Phi3DecoderLayer

@@ -3,9 +3,9 @@
 One place for everything Qwen2-specific; models/registry.py holds its row.
 - config.py: Qwen2Config (LlamaConfig's fields; presets, HF config.json reader) and the
   sliding-window check Qwen3 shares;
-- model.py: the biased attention, the decoder layer and model, PARAM_PARTITION_RULES
-  (Llama's, plus the biases split with their heads);
-- hf.py: the HF loader (Llama's tensor map plus the biases);
+- model.py: the biased attention (Llama's with a _project of its own), the decoder layer
+  and model, PARAM_PARTITION_RULES (Llama's, plus the biases split with their heads);
+- hf.py: the HF tensor map (Llama's plus the biases) and loader;
 - gguf.py: the qwen2 GGUF metadata reader and tensor names, shared with Qwen3.
 """
 

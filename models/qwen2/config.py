@@ -1,11 +1,10 @@
 """Qwen2Config: Qwen2 / Qwen2.5 (Qwen2ForCausalLM), a Llama decoder whose q, k and v
 projections carry a bias; presets and the HF config.json reader.
 
-Everything but the bias is Llama's, so the config is LlamaConfig's fields and the reader
-hands the shared keys (shapes, RoPE, dtypes, token ids) to LlamaConfig.from_hf_config.
-Sliding-window attention is not served yet: a config that turns it on for any layer is
-refused (check_full_attention, shared with Qwen3). llama_fields and check_architecture serve
-every Llama-shaped family's reader (Qwen3, Qwen3-MoE, Mistral, Phi-3).
+Everything but the bias is Llama's, so the config is LlamaConfig's fields, read by
+LlamaConfig.from_hf_config (shapes, RoPE, dtypes, token ids). Sliding-window attention is
+not served yet: a config that turns it on for any layer is refused (check_full_attention,
+shared with Qwen3).
 """
 
 from __future__ import annotations
@@ -14,22 +13,7 @@ import dataclasses
 
 from models.llama.config import LlamaConfig
 
-__all__ = ["PRESETS", "Qwen2Config", "check_architecture", "check_full_attention", "llama_fields"]
-
-
-def llama_fields(hf: dict, *, dtype=None, param_dtype=None) -> dict:
-    """The LlamaConfig fields of a Llama-shaped family's config.json (shapes, RoPE, dtypes, ids),
-    read by LlamaConfig.from_hf_config: ValueError naming the key it cannot serve."""
-    as_llama = {**hf, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
-    return dict(vars(LlamaConfig.from_hf_config(as_llama, dtype=dtype, param_dtype=param_dtype)))
-
-
-def check_architecture(hf: dict, model_type: str, architecture: str) -> None:
-    """ValueError unless config.json is model_type / architecture."""
-    architectures = hf.get("architectures") or []
-    if hf.get("model_type") != model_type or any(a != architecture for a in architectures):
-        raise ValueError(f"model_type={hf.get('model_type')!r} architectures={architectures} is not a "
-                         f"{architecture} checkpoint (model_type {model_type!r})")
+__all__ = ["PRESETS", "Qwen2Config", "check_full_attention"]
 
 
 def check_full_attention(hf: dict) -> None:
@@ -56,19 +40,19 @@ def check_full_attention(hf: dict) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config(LlamaConfig):
-    """LlamaConfig's fields; every Qwen2 q_proj / k_proj / v_proj has a bias (o_proj none)."""
+    """LlamaConfig's fields; every Qwen2 q_proj / k_proj / v_proj has a bias (o_proj none).
+
+    from_hf_config raises ValueError naming the field: another architecture, a sliding window,
+    a RoPE type other than default / llama3, a missing shape.
+    """
+
+    hf_model_type = "qwen2"
+    hf_architectures = ("Qwen2ForCausalLM",)
 
     @classmethod
-    def from_hf_config(cls, hf: dict, *, dtype=None, param_dtype=None) -> Qwen2Config:
-        """A Qwen2 / Qwen2.5 config.json (transformers 4.x or 5.x keys) -> Qwen2Config.
-
-        Raises:
-          ValueError naming the field: another architecture, a sliding window, a RoPE type
-          other than default / llama3, a missing shape.
-        """
-        check_architecture(hf, "qwen2", "Qwen2ForCausalLM")
+    def hf_fields(cls, hf: dict, *, dtype=None, param_dtype=None) -> dict:
         check_full_attention(hf)
-        return cls(**llama_fields(hf, dtype=dtype, param_dtype=param_dtype))
+        return super().hf_fields(hf, dtype=dtype, param_dtype=param_dtype)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> Qwen2Config:
@@ -77,9 +61,8 @@ class Qwen2Config(LlamaConfig):
         return dataclasses.replace(PRESETS[name], **overrides)
 
     def to_hf_config(self) -> dict:
-        config = {**super().to_hf_config(), "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
-        for key in ("attention_bias", "mlp_bias"):  # Llama's flags; Qwen2's biases are implied
-            del config[key]
+        config = super().to_hf_config()
+        del config["attention_bias"], config["mlp_bias"]  # Llama's flags; Qwen2's biases are implied
         return config
 
 

@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 
 from models.gguf import PackedRows, dequantize, get_float, get_metadata, open_gguf, packed_rows, require_metadata
-from models.llama.gguf import _BLOCK_TENSORS as LLAMA_BLOCK_TENSORS
-from models.llama.gguf import _GLOBAL_TENSORS as GLOBAL_TENSORS
+from models.llama.gguf import BLOCK_TENSORS as LLAMA_BLOCK_TENSORS
+from models.llama.gguf import GLOBAL_TENSORS
 from models.packed_weight import pack_model
 from models.qwen2.config import Qwen2Config
 from models.qwen2.hf import model_from_hf_tensors

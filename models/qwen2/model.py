@@ -11,19 +11,15 @@ add, so only the layout differs from the projections'.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models.layers import MLP, PreNormBlock, RMSNorm, apply_rope, normal_param, rope_inv_freq
+from models.layers import normal_param
 from models.llama.model import PARAM_PARTITION_RULES as LLAMA_RULES
-from models.llama.model import Attention, LlamaForCausalLM
-from models.packed_weight import linear
+from models.llama.model import Attention, DecoderLayer, LlamaForCausalLM
 from models.qwen2.config import Qwen2Config
 from paged_jax.sharding import TP_AXIS
 
@@ -49,38 +45,22 @@ class Qwen2Attention(Attention):
         self.k_bias = normal_param(rngs, (k * h,), d, c.param_dtype)  # [K * H]
         self.v_bias = normal_param(rngs, (k * h,), d, c.param_dtype)  # [K * H]
 
-    def _qkv(self, x, positions):
+    def _project(self, x):
         c, dt = self.config, self.config.dtype
-        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-        q = linear(x, self.q_proj, dt) + self.q_bias[...].astype(dt).reshape(c.num_heads, c.head_dim)
-        k = linear(x, self.k_proj, dt) + self.k_bias[...].astype(dt).reshape(c.num_kv_heads, c.head_dim)
-        v = linear(x, self.v_proj, dt) + self.v_bias[...].astype(dt).reshape(c.num_kv_heads, c.head_dim)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        q, k, v = super()._project(x)  # [..., N, H], [..., K, H], [..., K, H]
+        return (q + self.q_bias[...].astype(dt).reshape(c.num_heads, c.head_dim),
+                k + self.k_bias[...].astype(dt).reshape(c.num_kv_heads, c.head_dim),
+                v + self.v_bias[...].astype(dt).reshape(c.num_kv_heads, c.head_dim))
 
 
-class Qwen2DecoderLayer(PreNormBlock):
+class Qwen2DecoderLayer(DecoderLayer):
     """Llama's block with Qwen2's attention."""
 
-    def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
-        c = config
-        norm = functools.partial(RMSNorm, c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
-        self.input_layernorm = norm()
-        self.self_attn = Qwen2Attention(c, rngs=rngs)
-        self.post_attention_layernorm = norm()
-        self.mlp = MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs)
+    attention_class = Qwen2Attention
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM (stages, KV-cache specs) over Qwen2's layers."""
 
     param_partition_rules = PARAM_PARTITION_RULES
-
-    def __init__(self, config: Qwen2Config, *, rngs: nnx.Rngs):
-        c = config
-        self.config = c
-        self.embed_tokens = nnx.Param(  # [V, D]
-            jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), jnp.float32).astype(c.param_dtype))
-        self.layers = nnx.List([Qwen2DecoderLayer(c, rngs=rngs) for _ in range(c.num_layers)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
-        self.lm_head = None if c.tie_word_embeddings else normal_param(
-            rngs, (c.vocab_size, c.hidden_size), c.hidden_size, c.param_dtype)  # [V, D]
+    layer_class = Qwen2DecoderLayer

@@ -2,9 +2,9 @@
 
 One place for everything Qwen3-specific; models/registry.py holds its row.
 - config.py: Qwen3Config (LlamaConfig's fields; presets, HF config.json reader);
-- model.py: the q/k-normed attention, the decoder layer and model (Qwen3-MoE builds on
-  them), PARAM_PARTITION_RULES (Llama's);
-- hf.py: the HF loader (Llama's tensor map plus the norms);
+- model.py: the q/k-normed attention (Llama's with a _project of its own), the decoder layer
+  and model (Qwen3-MoE builds on them), PARAM_PARTITION_RULES (Llama's);
+- hf.py: the HF tensor map (Llama's plus the norms) and loader;
 - gguf.py: the qwen3 GGUF reader (Qwen2's, with Qwen3's tensor names).
 """
 

@@ -4,53 +4,42 @@ before RoPE and a head_dim of its own (not hidden / heads); presets and the HF r
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from models.llama.config import LlamaConfig
-from models.qwen2.config import check_architecture, check_full_attention, llama_fields
+from models.qwen2.config import check_full_attention
 
 __all__ = ["PRESETS", "Qwen3Config"]
-
-# transformers' Qwen3Config.head_dim when config.json has none (Qwen3Attention always reads it).
-DEFAULT_HEAD_DIM = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config(LlamaConfig):
-    """LlamaConfig's fields; q_norm and k_norm (RMSNorm over head_dim, eps rms_norm_eps) are implied."""
+    """LlamaConfig's fields; q_norm and k_norm (RMSNorm over head_dim, eps rms_norm_eps) are implied.
+
+    from_hf_config raises ValueError naming the field: another architecture, attention_bias,
+    a sliding window, a RoPE type other than default / llama3, a missing shape.
+    """
+
+    hf_model_type = "qwen3"
+    hf_architectures = ("Qwen3ForCausalLM",)
+    # What a config.json without head_dim means: transformers' Qwen3Config says 128 (Qwen3Attention
+    # always reads it); None is hidden_size / num_attention_heads (Qwen3-MoE's).
+    default_head_dim: ClassVar[int | None] = 128
 
     @classmethod
-    def from_hf_config(cls, hf: dict, *, dtype=None, param_dtype=None) -> Qwen3Config:
-        """A Qwen3 config.json (transformers 4.x or 5.x keys) -> Qwen3Config.
-
-        Raises:
-          ValueError naming the field: another architecture, attention_bias, a sliding window,
-          a RoPE type other than default / llama3, a missing shape.
-        """
-        check_architecture(hf, "qwen3", "Qwen3ForCausalLM")
-        return cls(**qwen3_fields(hf, dtype=dtype, param_dtype=param_dtype))
+    def hf_fields(cls, hf: dict, *, dtype=None, param_dtype=None) -> dict:
+        if hf.get("attention_bias"):
+            raise ValueError("attention_bias=true is not supported; Qwen3's projections have no bias")
+        check_full_attention(hf)
+        if hf.get("head_dim") is None and cls.default_head_dim is not None:
+            hf = {**hf, "head_dim": cls.default_head_dim}
+        return super().hf_fields(hf, dtype=dtype, param_dtype=param_dtype)
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> Qwen3Config:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
-
-    def to_hf_config(self) -> dict:
-        return {**super().to_hf_config(), "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
-
-
-def qwen3_fields(hf: dict, *, dtype=None, param_dtype=None, head_dim_default: int | None = DEFAULT_HEAD_DIM) -> dict:
-    """The LlamaConfig fields of a Qwen3-style config.json (Qwen3, Qwen3-MoE's attention).
-
-    head_dim_default: what a config.json without head_dim means (transformers: Qwen3 128,
-    Qwen3-MoE None, i.e. hidden_size / num_attention_heads).
-    """
-    if hf.get("attention_bias"):
-        raise ValueError("attention_bias=true is not supported; Qwen3's projections have no bias")
-    check_full_attention(hf)
-    if hf.get("head_dim") is None and head_dim_default is not None:
-        hf = {**hf, "head_dim": head_dim_default}
-    return llama_fields(hf, dtype=dtype, param_dtype=param_dtype)
 
 
 PRESETS: dict[str, Qwen3Config] = {

@@ -1,8 +1,8 @@
 """HF Qwen3 checkpoint directory (config.json + safetensors) -> Qwen3ForCausalLM.
 
-Qwen3's tensors are Llama's plus `self_attn.{q,k}_norm.weight`, so Llama's tensor map
-(models.llama.hf.model_from_hf_tensors) fills every weight the two share and this module
-adds the norms. The GGUF loader (models/qwen3/gguf.py) hands its tensors over by the same names.
+Qwen3's tensors are Llama's plus `self_attn.{q,k}_norm.weight`, so its map (hf_layout) is
+Llama's (models.llama.hf.hf_layout) plus the norms, read by Llama's model_from_hf_tensors.
+The GGUF loader (models/qwen3/gguf.py) hands its tensors over by the same names.
 """
 
 from __future__ import annotations
@@ -10,24 +10,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from flax import nnx
-
 from models.hf_checkpoint import hf_tensor_reader, read_hf_config, tensor_files
 from models.llama import hf as llama_hf
-from models.qwen2.hf import put_tensor, require_tensors
+from models.llama.hf import HfTensor, require_tensors, same
 from models.qwen3.config import Qwen3Config
 from models.qwen3.model import Qwen3ForCausalLM
 
-__all__ = ["load_hf_checkpoint", "model_from_hf_tensors", "put_qk_norms"]
+__all__ = ["hf_layout", "load_hf_checkpoint", "model_from_hf_tensors"]
 
 
-def put_qk_norms(model, get_tensor: Callable[[str], Any], place=None) -> None:
-    """Fill every layer's q_norm / k_norm weight of a skeleton from its HF tensor."""
-    for i, layer in enumerate(model.layers):
+def hf_layout(config: Qwen3Config) -> dict[str, HfTensor]:
+    """Llama's HF tensor map plus every layer's q_norm and k_norm weights ([head_dim] each)."""
+    layout = llama_hf.hf_layout(config)
+    for i in range(config.num_layers):
         for norm in ("q_norm", "k_norm"):
-            name = f"model.layers.{i}.self_attn.{norm}.weight"
-            put_tensor(getattr(layer.self_attn, norm).weight, get_tensor(name), name, norm,
-                       model.config.param_dtype, place)
+            layout[f"model.layers.{i}.self_attn.{norm}.weight"] = HfTensor(
+                (config.head_dim,), lambda m, i=i, norm=norm: getattr(m.layers[i].self_attn, norm).weight,
+                same, same, norm)
+    return layout
 
 
 def model_from_hf_tensors(config: Qwen3Config, get_tensor: Callable[[str], Any], place=None) -> Qwen3ForCausalLM:
@@ -38,12 +38,8 @@ def model_from_hf_tensors(config: Qwen3Config, get_tensor: Callable[[str], Any],
     Raises:
       ValueError naming the tensor when one is missing or has the wrong shape.
     """
-    get_tensor = require_tensors(get_tensor, f"a {config.num_layers}-layer Qwen3")
-    shared = nnx.state(llama_hf.model_from_hf_tensors(config, get_tensor, place))
-    model = nnx.eval_shape(lambda: Qwen3ForCausalLM(config, rngs=nnx.Rngs(0)))
-    nnx.update(model, shared)
-    put_qk_norms(model, get_tensor, place)
-    return model
+    return llama_hf.model_from_hf_tensors(config, require_tensors(get_tensor, f"a {config.num_layers}-layer Qwen3"),
+                                          place, model_class=Qwen3ForCausalLM, layout=hf_layout(config))
 
 
 def load_hf_checkpoint(path: str, dtype=None, param_dtype=None, place=None) -> Qwen3ForCausalLM:

@@ -7,19 +7,15 @@ models.packed_weight.pack_model leaves them float, and they are replicated on a 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models.layers import MLP, PreNormBlock, RMSNorm, apply_rope, normal_param, rope_inv_freq
+from models.layers import RMSNorm
 from models.llama.model import PARAM_PARTITION_RULES as LLAMA_RULES
-from models.llama.model import Attention, LlamaForCausalLM
-from models.packed_weight import linear
+from models.llama.model import Attention, DecoderLayer, LlamaForCausalLM
 from models.qwen3.config import Qwen3Config
 
 __all__ = ["PARAM_PARTITION_RULES", "Qwen3Attention", "Qwen3DecoderLayer", "Qwen3ForCausalLM"]
@@ -37,44 +33,19 @@ class Qwen3Attention(Attention):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)  # [H]
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)  # [H]
 
-    def _qkv(self, x, positions):
-        c, dt = self.config, self.config.dtype
-        inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)
-        q = self.q_norm(linear(x, self.q_proj, dt))  # [..., N, H]
-        k = self.k_norm(linear(x, self.k_proj, dt))  # [..., K, H]
-        v = linear(x, self.v_proj, dt)
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    def _project(self, x):
+        q, k, v = super()._project(x)  # [..., N, H], [..., K, H], [..., K, H]
+        return self.q_norm(q), self.k_norm(k), v
 
 
-class Qwen3DecoderLayer(PreNormBlock):
-    """Llama's block with Qwen3's attention; mlp defaults to Llama's SwiGLU MLP (Qwen3-MoE passes its experts)."""
+class Qwen3DecoderLayer(DecoderLayer):
+    """Llama's block with Qwen3's attention (mlp: Llama's SwiGLU MLP unless given; Qwen3-MoE passes its experts)."""
 
-    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs, mlp: nnx.Module | None = None):
-        c = config
-        norm = functools.partial(RMSNorm, c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
-        self.input_layernorm = norm()
-        self.self_attn = Qwen3Attention(c, rngs=rngs)
-        self.post_attention_layernorm = norm()
-        self.mlp = mlp if mlp is not None else MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype,
-                                                   dtype=c.dtype, rngs=rngs)
+    attention_class = Qwen3Attention
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     """LlamaForCausalLM (stages, KV-cache specs) over Qwen3's layers."""
 
     param_partition_rules = PARAM_PARTITION_RULES
-
-    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
-        c = config
-        self.config = c
-        self.embed_tokens = nnx.Param(  # [V, D]
-            jax.random.normal(rngs.params(), (c.vocab_size, c.hidden_size), jnp.float32).astype(c.param_dtype))
-        self.layers = nnx.List([self.make_layer(c, i, rngs=rngs) for i in range(c.num_layers)])
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)
-        self.lm_head = None if c.tie_word_embeddings else normal_param(
-            rngs, (c.vocab_size, c.hidden_size), c.hidden_size, c.param_dtype)  # [V, D]
-
-    @staticmethod
-    def make_layer(config: Qwen3Config, layer_id: int, *, rngs: nnx.Rngs) -> PreNormBlock:
-        """Decoder layer layer_id (Qwen3-MoE's model overrides it: dense or MoE layers)."""
-        return Qwen3DecoderLayer(config, rngs=rngs)
+    layer_class = Qwen3DecoderLayer

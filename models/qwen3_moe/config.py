@@ -14,8 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from models.config import check_positive_ints
-from models.qwen2.config import check_architecture
-from models.qwen3.config import Qwen3Config, qwen3_fields
+from models.qwen3.config import Qwen3Config
 
 __all__ = ["PRESETS", "Qwen3MoeConfig"]
 
@@ -23,6 +22,10 @@ __all__ = ["PRESETS", "Qwen3MoeConfig"]
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoeConfig(Qwen3Config):
     """Qwen3Config's fields plus the experts (module docstring: which layers route, and how)."""
+
+    hf_model_type = "qwen3_moe"
+    hf_architectures = ("Qwen3MoeForCausalLM",)
+    default_head_dim = None  # hidden_size / num_attention_heads, as transformers' Qwen3MoeConfig
 
     num_experts: int = 8
     num_experts_per_tok: int = 2
@@ -44,14 +47,9 @@ class Qwen3MoeConfig(Qwen3Config):
         return layer_id not in self.mlp_only_layers and (layer_id + 1) % self.decoder_sparse_step == 0
 
     @classmethod
-    def from_hf_config(cls, hf: dict, *, dtype=None, param_dtype=None) -> Qwen3MoeConfig:
-        """A Qwen3-MoE config.json (transformers 4.x or 5.x keys) -> Qwen3MoeConfig.
-
-        Raises:
-          ValueError naming the field: another architecture, attention_bias, a sliding window,
-          num_experts 0 (a dense model: load it as Qwen3), a missing shape.
-        """
-        check_architecture(hf, "qwen3_moe", "Qwen3MoeForCausalLM")
+    def hf_fields(cls, hf: dict, *, dtype=None, param_dtype=None) -> dict:
+        """Qwen3's fields plus the experts'; ValueError naming the field for num_experts 0 (a
+        dense model: load it as Qwen3) and what Qwen3's reader refuses."""
         if hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
             # Qwen3-MoE has no layer_types: every layer slides.
             hf = {**hf, "layer_types": ["sliding_attention"] * hf.get("num_hidden_layers", 0),
@@ -60,12 +58,12 @@ class Qwen3MoeConfig(Qwen3Config):
         if not num_experts:
             raise ValueError("num_experts=0: a Qwen3-MoE config without experts is a dense model; this family "
                              "needs num_experts > 0")
-        return cls(**qwen3_fields(hf, dtype=dtype, param_dtype=param_dtype, head_dim_default=None),
-                   num_experts=int(num_experts), num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
-                   moe_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
-                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                   decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
-                   mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
+        return dict(super().hf_fields(hf, dtype=dtype, param_dtype=param_dtype),
+                    num_experts=int(num_experts), num_experts_per_tok=int(hf.get("num_experts_per_tok", 8)),
+                    moe_intermediate_size=int(hf.get("moe_intermediate_size", 768)),
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                    decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                    mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()))
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> Qwen3MoeConfig:
@@ -74,10 +72,10 @@ class Qwen3MoeConfig(Qwen3Config):
         return dataclasses.replace(PRESETS[name], **overrides)
 
     def to_hf_config(self) -> dict:
-        return {**super().to_hf_config(), "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
-                "num_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok,
-                "moe_intermediate_size": self.moe_intermediate_size, "norm_topk_prob": self.norm_topk_prob,
-                "decoder_sparse_step": self.decoder_sparse_step, "mlp_only_layers": list(self.mlp_only_layers)}
+        return {**super().to_hf_config(), "num_experts": self.num_experts,
+                "num_experts_per_tok": self.num_experts_per_tok, "moe_intermediate_size": self.moe_intermediate_size,
+                "norm_topk_prob": self.norm_topk_prob, "decoder_sparse_step": self.decoder_sparse_step,
+                "mlp_only_layers": list(self.mlp_only_layers)}
 
 
 PRESETS: dict[str, Qwen3MoeConfig] = {

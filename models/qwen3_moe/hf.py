@@ -1,10 +1,10 @@
 """HF Qwen3-MoE checkpoint directory (config.json + safetensors) -> Qwen3MoeForCausalLM.
 
-The attention, norms, embeddings and dense layers' MLPs use Llama's HF tensor map
-(models.llama.hf._hf_layout: each name's layout transform; its getters find the same
-attributes here), the q/k norms Qwen3's; a MoE layer's dense-MLP names are skipped and its
-router (`mlp.gate.weight` [E, D]) and experts read instead. Experts come per expert
-(`mlp.experts.{e}.gate_proj.weight`, what save_pretrained and the published checkpoints
+The attention, norms, embeddings and dense layers' MLPs are Qwen3's HF tensor map
+(models.qwen3.hf.hf_layout: Llama's plus the q/k norms), less the dense-MLP names of the MoE
+layers, plus each MoE layer's router (`mlp.gate.weight` [E, D]), all read by Llama's
+model_from_hf_tensors into a Qwen3MoeForCausalLM; the experts are read after. They come per
+expert (`mlp.experts.{e}.gate_proj.weight`, what save_pretrained and the published checkpoints
 write) or fused (`mlp.experts.gate_up_proj` [E, 2F, D] and `mlp.experts.down_proj` [E, D, F],
 transformers' in-memory layout); both load into [D, E, F] (gate, up) and [E, F, D] (down).
 """
@@ -15,22 +15,33 @@ from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
-from flax import nnx
 
 from models.hf_checkpoint import hf_tensor_reader, read_hf_config, tensor_files
-from models.llama.hf import _hf_layout as llama_hf_layout
-from models.qwen2.hf import put_tensor, require_tensors
-from models.qwen3.hf import put_qk_norms
+from models.llama import hf as llama_hf
+from models.llama.hf import HfTensor, put_tensor, require_tensors
+from models.qwen3 import hf as qwen3_hf
 from models.qwen3_moe.config import Qwen3MoeConfig
 from models.qwen3_moe.model import Qwen3MoeForCausalLM
 
-__all__ = ["load_hf_checkpoint", "model_from_hf_tensors"]
+__all__ = ["hf_layout", "load_hf_checkpoint", "model_from_hf_tensors"]
 
 
 def _is_dense_mlp_of_moe_layer(config: Qwen3MoeConfig, hf_name: str) -> bool:
     parts = hf_name.split(".")
     return len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[3] == "mlp" \
         and config.is_moe_layer(int(parts[2]))
+
+
+def hf_layout(config: Qwen3MoeConfig) -> dict[str, HfTensor]:
+    """Qwen3's HF tensor map without the MoE layers' dense MLPs, with their routers; no experts."""
+    c = config
+    layout = {name: entry for name, entry in qwen3_hf.hf_layout(c).items() if not _is_dense_mlp_of_moe_layer(c, name)}
+    for i in range(c.num_layers):
+        if c.is_moe_layer(i):
+            layout[f"model.layers.{i}.mlp.gate.weight"] = HfTensor(  # [E, D] -> [D, E]
+                (c.num_experts, c.hidden_size), lambda m, i=i: m.layers[i].mlp.gate, lambda w: w.T, lambda w: w.T,
+                "gate")
+    return layout
 
 
 def model_from_hf_tensors(config: Qwen3MoeConfig, get_tensor: Callable[[str], Any], place=None) -> Qwen3MoeForCausalLM:
@@ -45,12 +56,7 @@ def model_from_hf_tensors(config: Qwen3MoeConfig, get_tensor: Callable[[str], An
     """
     c = config
     read = require_tensors(get_tensor, f"a {c.num_layers}-layer Qwen3-MoE")
-    model = nnx.eval_shape(lambda: Qwen3MoeForCausalLM(c, rngs=nnx.Rngs(0)))
-    for name, (_, param_of, from_hf, _) in llama_hf_layout(c).items():
-        if not _is_dense_mlp_of_moe_layer(c, name):
-            put_tensor(param_of(model), from_hf(jnp.asarray(read(name))), name, name.rsplit(".", 2)[-2],
-                       c.param_dtype, place)
-    put_qk_norms(model, read, place)
+    model = llama_hf.model_from_hf_tensors(c, read, place, model_class=Qwen3MoeForCausalLM, layout=hf_layout(c))
     for i, layer in enumerate(model.layers):
         if c.is_moe_layer(i):
             _put_experts(layer.mlp, f"model.layers.{i}.mlp.", get_tensor, read, c, place)
@@ -61,7 +67,6 @@ def _put_experts(moe, prefix: str, get_tensor, read, config: Qwen3MoeConfig, pla
     def put(param, value, hf_name, param_name):
         put_tensor(param, value, hf_name, param_name, config.param_dtype, place)
 
-    put(moe.gate, jnp.asarray(read(prefix + "gate.weight")).T, prefix + "gate.weight", "gate")  # [E, D] -> [D, E]
     try:
         gate_up = jnp.asarray(get_tensor(prefix + "experts.gate_up_proj"))  # fused [E, 2F, D]
     except KeyError:

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 from models.layers import MLP, PreNormBlock, normal_param
 from models.qwen3.model import PARAM_PARTITION_RULES as QWEN3_RULES
-from models.qwen3.model import Qwen3DecoderLayer, Qwen3ForCausalLM
+from models.qwen3.model import Qwen3ForCausalLM
 from models.qwen3_moe.config import Qwen3MoeConfig
 from paged_jax.sharding import TP_AXIS
 
@@ -81,9 +81,10 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     param_partition_rules = PARAM_PARTITION_RULES
 
-    @staticmethod
-    def make_layer(config: Qwen3MoeConfig, layer_id: int, *, rngs: nnx.Rngs) -> PreNormBlock:
+    @classmethod
+    def make_layer(cls, config: Qwen3MoeConfig, layer_id: int, *, rngs: nnx.Rngs) -> PreNormBlock:
         c = config
+        # The MLP is drawn from rngs before the attention, dense layers' too (the seeded weights).
         mlp = (SparseMoeBlock(c, rngs=rngs) if c.is_moe_layer(layer_id)
                else MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype, dtype=c.dtype, rngs=rngs))
-        return Qwen3DecoderLayer(c, rngs=rngs, mlp=mlp)
+        return cls.layer_class(c, rngs=rngs, mlp=mlp)
