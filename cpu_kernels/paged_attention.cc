@@ -6,9 +6,11 @@
 //
 // Inputs: q f32[T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (f32 or bf16);
 // block_tables i32[S, W]; seq_lens i32[S]; query_start_loc i32[S + 1]; num_seqs i32[1];
-// attribute sm_scale. Output f32[T, Hq, D]: the attention of every token of a sequence with
-// exactly one query token; every other row (prefill chunks, padding) is zero. Query head j
-// reads KV head j / (Hq / Hkv).
+// attributes sm_scale and sliding_window (i32; 0 means none: the token at position
+// seq_len - 1 sees every key, else keys seq_len - sliding_window .. seq_len - 1 only, and the
+// key loops start there, so pages wholly before the window are never read). Output
+// f32[T, Hq, D]: the attention of every token of a sequence with exactly one query token;
+// every other row (prefill chunks, padding) is zero. Query head j reads KV head j / (Hq / Hkv).
 //
 // (sequence, KV head) tasks are split over XLA's intra-op thread pool from an atomic counter;
 // the calling thread works too.
@@ -85,35 +87,43 @@ struct Job {
   float* out;
   int64_t width, block_size, hkv, group, dim;
   float scale;
+  int64_t window;  // keys a query sees (itself included); 0: all
   std::vector<int64_t> seqs;  // the decoding sequences
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 };
 
+// First key the decoding query (at position seq_len - 1) sees.
+template <typename KV>
+inline int64_t first_key(const Job<KV>& job, int64_t len) {
+  return job.window > 0 ? std::max<int64_t>(0, len - job.window) : 0;
+}
+
 template <typename KV>
 void run_task(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
-  const int64_t row = job.qsl[seq], len = job.seq_lens[seq], g_num = job.group, dim = job.dim;
+  const int64_t row = job.qsl[seq], end = job.seq_lens[seq], g_num = job.group, dim = job.dim;
   const int64_t hq = job.hkv * g_num;
+  const int64_t first = first_key(job, end), len = end - first;  // scores[g * len + i] is key first + i
   const float* q = job.q + (row * hq + h * g_num) * dim;  // this KV head's query heads, back to back
   const int32_t* table = job.tables + seq * job.width;
   scores.resize(g_num * len);
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = first; t < end; ++t) {
     const KV* key = job.k + ((int64_t(table[t / job.block_size]) * job.block_size + t % job.block_size) * job.hkv + h) * dim;
     for (int64_t g = 0; g < g_num; ++g) {
       const float* qg = q + g * dim;
       float s = 0.0f;
 #pragma omp simd reduction(+ : s)
       for (int64_t d = 0; d < dim; ++d) s += qg[d] * to_f32(key[d]);
-      scores[g * len + t] = s * job.scale;
+      scores[g * len + t - first] = s * job.scale;
     }
   }
   float* out = job.out + (row * hq + h * g_num) * dim;
   softmax_rows(scores.data(), g_num, len);
   std::fill(out, out + g_num * dim, 0.0f);
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = first; t < end; ++t) {
     const KV* value = job.v + ((int64_t(table[t / job.block_size]) * job.block_size + t % job.block_size) * job.hkv + h) * dim;
     for (int64_t g = 0; g < g_num; ++g) {
-      const float p = scores[g * len + t];
+      const float p = scores[g * len + t - first];
       float* o = out + g * dim;
 #pragma omp simd
       for (int64_t d = 0; d < dim; ++d) o[d] += p * to_f32(value[d]);
@@ -131,34 +141,35 @@ inline __m512 load16(const uint16_t* p) {
 // generic loops' per-key loop set-up cost more than their arithmetic at head_dim 64).
 template <typename KV, int kG, int kC>
 void run_task_avx512(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
-  const int64_t row = job.qsl[seq], len = job.seq_lens[seq], bs = job.block_size;
+  const int64_t row = job.qsl[seq], end = job.seq_lens[seq], bs = job.block_size;
   const int64_t hq = job.hkv * kG, dim = 16 * kC;
+  const int64_t first = first_key(job, end), len = end - first;  // scores[g * len + i] is key first + i
   const float* q = job.q + (row * hq + h * kG) * dim;
   const int32_t* table = job.tables + seq * job.width;
   scores.resize(kG * len);
   __m512 qv[kG][kC];
   for (int g = 0; g < kG; ++g)
     for (int c = 0; c < kC; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim + 16 * c), _mm512_set1_ps(job.scale));
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = first; t < end; ++t) {
     const KV* key = job.k + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
     __m512 kv[kC];
     for (int c = 0; c < kC; ++c) kv[c] = load16(key + 16 * c);
     for (int g = 0; g < kG; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int c = 1; c < kC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-      scores[g * len + t] = _mm512_reduce_add_ps(acc);
+      scores[g * len + t - first] = _mm512_reduce_add_ps(acc);
     }
   }
   softmax_rows(scores.data(), kG, len);
   __m512 o[kG][kC];
   for (int g = 0; g < kG; ++g)
     for (int c = 0; c < kC; ++c) o[g][c] = _mm512_setzero_ps();
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = first; t < end; ++t) {
     const KV* value = job.v + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
     __m512 vv[kC];
     for (int c = 0; c < kC; ++c) vv[c] = load16(value + 16 * c);
     for (int g = 0; g < kG; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      const __m512 p = _mm512_set1_ps(scores[g * len + t - first]);
       for (int c = 0; c < kC; ++c) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
     }
   }
@@ -207,7 +218,8 @@ template <ffi::DataType kKV>
 ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kKV> k_cache,
                             ffi::Buffer<kKV> v_cache, ffi::Buffer<ffi::S32> block_tables,
                             ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
-                            ffi::Buffer<ffi::S32> num_seqs, float sm_scale, ffi::ResultBuffer<ffi::F32> out) {
+                            ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t sliding_window,
+                            ffi::ResultBuffer<ffi::F32> out) {
   using KV = std::conditional_t<kKV == ffi::DataType::F32, float, uint16_t>;
   auto qd = q.dimensions();
   auto kd = k_cache.dimensions();
@@ -229,6 +241,7 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
   job->group = hq / hkv;
   job->dim = dim;
   job->scale = sm_scale;
+  job->window = std::max<int32_t>(sliding_window, 0);
   std::fill(job->out, job->out + num_tokens * hq * dim, 0.0f);
   const int64_t n = std::min<int64_t>(num_seqs.typed_data()[0], td[0]);
   for (int64_t s = 0; s < n; ++s) {
@@ -259,6 +272,7 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
                                     .Arg<ffi::Buffer<ffi::S32>>()                 \
                                     .Arg<ffi::Buffer<ffi::S32>>()                 \
                                     .Attr<float>("sm_scale")                      \
+                                    .Attr<int32_t>("sliding_window")              \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
 PJ_DEFINE_ATTENTION(pj_paged_decode_attention_f32, ffi::DataType::F32)

@@ -12,6 +12,12 @@ context split flash-decoding style and combined by logsumexp) and prefill chunks
 of `prefill_rows` rows, one split). Items with nothing to do exit at once, so a batch
 without prefills or without decodes costs an empty launch, not a branch on the host.
 
+Sliding-window (local) attention (Gemma 3, Mistral): the query at position p sees keys
+p - sliding_window < k <= p. Each item's block table is shifted to start at the page that
+holds the oldest key its first row sees (ragged_batch.window_tables) and cut to the pages a
+window can span, so pages wholly before the window are never read, the decode splits cover
+the window rather than the whole table, and older keys of that first page are masked per row.
+
 Quantized caches (int8 / fp8 pages, models/kv_cache_spec.py QuantizedAttentionSpec) are read
 a tile at a time and converted to q's dtype in registers; their per-token scales
 (k_scale, v_scale: f32[num_blocks, block_size, num_kv_heads]) multiply the tile's scores and
@@ -34,7 +40,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_cache_write import get_format, pages_to_values
 from pallas_kernels.ragged_batch import (cdiv, check_ragged_args, max_prefill_blocks, query_blocks, ragged_batch,
-                                         split_decodes_and_prefills, token_block_rows, token_sequence)
+                                         split_decodes_and_prefills, token_block_rows, token_sequence,
+                                         window_first_key, window_pages, window_tables)
 
 # Finite, so rows that see no key (padding, empty splits) stay finite instead of NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -81,7 +88,8 @@ def _attention_kernel(
     k_ref,  # [num_blocks, block_size, head_dim]: KV head h of k_cache (q's dtype or quantized)
     v_ref,  # [num_blocks, block_size, head_dim]
     *refs,  # (ks_ref, vs_ref: f32[num_blocks, block_size], KV head h's scales, only when scaled),
-    # pages_ref: i32[pages_per_split], this split's slice of the item's block table,
+    # pages_ref: i32[pages_per_split], this split's slice of the item's block table (with a
+    #   sliding window: of the table shifted to start at the window's first page),
     # q_pos0_ref: i32[1], position of the item's first query token,
     # num_rows_ref: i32[1], real query tokens of the item; 0 means nothing to do,
     # o_ref: [rows, head_dim], normalised within this split,
@@ -91,6 +99,7 @@ def _attention_kernel(
     scale_log2,
     scaled,
     fmt,
+    sliding_window,
 ):
     ks_ref, vs_ref = refs[:2] if scaled else (None, None)
     pages_ref, q_pos0_ref, num_rows_ref, o_ref, *stat_refs = refs[2:] if scaled else refs
@@ -100,6 +109,10 @@ def _attention_kernel(
     block_k = pages_per_compute_block * block_size
     split_start = pl.program_id(2) * pages_per_split * block_size
     q_pos0 = q_pos0_ref[0]
+    if sliding_window is not None:
+        # The table starts at the page holding the first row's oldest visible key (window_tables).
+        kv_first = window_first_key(q_pos0, sliding_window)
+        split_start = split_start + kv_first // block_size * block_size
     # Keys past the item's last query position are never visible: do not even load them.
     kv_end = q_pos0 + num_rows_ref[0]
     num_steps = jnp.clip(cdiv(kv_end - split_start, block_k), 0, pages_per_split // pages_per_compute_block)
@@ -118,6 +131,8 @@ def _attention_kernel(
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         key_pos = split_start + step * block_k + jnp.arange(block_k, dtype=jnp.int32)  # [block_k]
         key_valid = key_pos < kv_end
+        if sliding_window is not None:  # older keys of the first page: stale, or another sequence's
+            key_valid = key_valid & (key_pos >= kv_first)
         # Foreign pages and slots past seq_len may hold NaN, and 0 * NaN = NaN: mask V itself.
         v = jnp.where(key_valid[:, None], v, jnp.zeros((), v.dtype))
         scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
@@ -125,6 +140,8 @@ def _attention_kernel(
         if scaled:  # q . (k s) = (q . k) s per key
             scores = scores * ks_ref[pages].reshape(block_k)[None, :]
         visible = key_valid[None, :] & (key_pos[None, :] <= row_pos)
+        if sliding_window is not None:
+            visible = visible & (key_pos[None, :] > row_pos - sliding_window)
         m_next, l_next, correction, probs = online_softmax_step(m_prev, l_prev, jnp.where(visible, scores, MASK_VALUE))
         if scaled:  # sum_k p (v s) = sum_k (p s) v; unowned slots' scales may be NaN
             probs = probs * jnp.where(key_valid, vs_ref[pages].reshape(block_k), 0.0)[None, :]
@@ -176,12 +193,14 @@ def split_pages(item_tables, block_k: int, block_size: int, num_splits: int, til
 
 
 def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *, group, sm_scale, num_splits,
-                    block_k, num_warps, num_stages, interpret, k_scale=None, v_scale=None, fmt=None):
+                    block_k, num_warps, num_stages, interpret, k_scale=None, v_scale=None, fmt=None,
+                    sliding_window=None):
     """Launch the kernel over (item, KV head, split) and combine the splits.
 
-    q_items: [num_items, num_kv_heads, rows, head_dim]; item_tables: i32[num_items, W];
-    q_pos0, num_rows: i32[num_items]; k_scale, v_scale: None or f32[num_blocks, block_size,
-    num_kv_heads]. Returns [num_items, num_kv_heads, rows, head_dim] f32.
+    q_items: [num_items, num_kv_heads, rows, head_dim]; item_tables: i32[num_items, W] (with a
+    sliding window: shifted by window_tables); q_pos0, num_rows: i32[num_items]; k_scale,
+    v_scale: None or f32[num_blocks, block_size, num_kv_heads].
+    Returns [num_items, num_kv_heads, rows, head_dim] f32.
     """
     num_items, num_kv_heads, rows, head_dim = q_items.shape
     num_blocks, block_size, _, _ = k_cache.shape
@@ -194,7 +213,8 @@ def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *,
     stat_shape = jax.ShapeDtypeStruct((num_items, num_splits, num_kv_heads, rows), jnp.float32)
     stat_spec = pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, s, h, 0))
     kernel = functools.partial(_attention_kernel, group=group, pages_per_compute_block=pages_per_compute_block,
-                               scale_log2=sm_scale * LOG2_E, scaled=scaled, fmt=fmt)
+                               scale_log2=sm_scale * LOG2_E, scaled=scaled, fmt=fmt,
+                               sliding_window=sliding_window)
     scale_specs = [pl.BlockSpec((num_blocks, block_size, None), lambda i, h, s: (0, 0, h))] * 2 if scaled else []
     outs = pl.pallas_call(
         kernel,
@@ -214,7 +234,8 @@ def _attention_call(q_items, k_cache, v_cache, item_tables, q_pos0, num_rows, *,
         + ([stat_shape, stat_shape] if split else []),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_{rows=}_{block_k=}_{num_splits=}",
+        name=f"ragged_paged_attention_{rows=}_{block_k=}_{num_splits=}"
+        + ("" if sliding_window is None else f"_{sliding_window=}"),
     )(q_items, k_cache, v_cache, *((k_scale, v_scale) if scaled else ()), item_tables, q_pos0, num_rows)
     if not split:
         return outs[0][:, 0].astype(jnp.float32)
@@ -245,25 +266,34 @@ def _token_rows(out_items, batch, blocks, token_seq, block_q, group):
 
 
 def _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-                                   sm_scale, interpret, config, k_scale=None, v_scale=None, fmt=None):
+                                   sm_scale, interpret, config, k_scale=None, v_scale=None, fmt=None,
+                                   sliding_window=None):
     num_tokens, num_q_heads, _ = q.shape
-    num_kv_heads = k_cache.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1:3]
     max_num_seqs, max_blocks_per_seq = block_tables.shape
     group = num_q_heads // num_kv_heads
     batch = ragged_batch(seq_lens, query_start_loc, num_seqs)
     token_seq = token_sequence(batch, num_tokens)
     call = functools.partial(_attention_call, k_cache=k_cache, v_cache=v_cache, group=group, sm_scale=sm_scale,
-                             interpret=interpret, k_scale=k_scale, v_scale=v_scale, fmt=fmt)
+                             interpret=interpret, k_scale=k_scale, v_scale=v_scale, fmt=fmt,
+                             sliding_window=sliding_window)
+
+    def items(blocks, rows, block_q):
+        q_items, tables = _items_from_blocks(q, blocks, block_tables, num_kv_heads, rows)
+        if sliding_window is not None:  # each item reads the pages of its window only
+            tables = window_tables(tables, blocks.q_pos0, sliding_window, block_size,
+                                   window_pages(sliding_window, block_q, block_size, max_blocks_per_seq))
+        return q_items, tables
 
     # decode: one item per decoding sequence, all rows of a KV group in one tl.dot tile
     decode_rows = max(MIN_DOT_DIM, _next_power_of_2(group))
     split = split_decodes_and_prefills(batch)
     decode = query_blocks(batch, split.decode_q_lens, max_num_seqs, 1)
+    q_items, tables = items(decode, decode_rows, 1)
     num_splits = config.decode_num_splits or _next_power_of_2(
         cdiv(config.decode_target_programs, max_num_seqs * num_kv_heads))
-    max_splits = cdiv(max_blocks_per_seq * k_cache.shape[1], config.decode_block_k)
+    max_splits = cdiv(tables.shape[1] * block_size, config.decode_block_k)  # a window needs fewer
     num_splits = max(1, min(num_splits, _next_power_of_2(max_splits)))
-    q_items, tables = _items_from_blocks(q, decode, block_tables, num_kv_heads, decode_rows)
     out_decode = call(q_items, item_tables=tables, q_pos0=decode.q_pos0, num_rows=decode.num_rows,
                       num_splits=num_splits, block_k=config.decode_block_k, num_warps=config.decode_num_warps,
                       num_stages=config.decode_num_stages)
@@ -273,7 +303,7 @@ def _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, 
     prefill_rows = max(MIN_DOT_DIM, _next_power_of_2(block_q * group))
     prefill = query_blocks(batch, split.prefill_q_lens, max_prefill_blocks(num_tokens, max_num_seqs, block_q),
                            block_q)
-    q_items, tables = _items_from_blocks(q, prefill, block_tables, num_kv_heads, prefill_rows)
+    q_items, tables = items(prefill, prefill_rows, block_q)
     out_prefill = call(q_items, item_tables=tables, q_pos0=prefill.q_pos0, num_rows=prefill.num_rows,
                        num_splits=1, block_k=config.prefill_block_k, num_warps=config.prefill_num_warps,
                        num_stages=config.prefill_num_stages)
@@ -295,11 +325,11 @@ def _check_pallas_args(k_cache, head_dim):
                          "pad head_dim or use the XLA attention")
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "config", "kv_cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "config", "kv_cache_dtype", "sliding_window"))
 def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
                            sm_scale=None, interpret=False, config=None, k_scale=None, v_scale=None,
-                           kv_cache_dtype=None):
-    """Causal attention of a ragged batch of query tokens over paged K/V.
+                           kv_cache_dtype=None, sliding_window=None):
+    """Causal (optionally sliding-window) attention of a ragged batch of query tokens over paged K/V.
 
     Args:
       q: [num_tokens, num_q_heads, head_dim]; sequence i owns rows
@@ -317,36 +347,41 @@ def ragged_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
         f32[num_blocks, block_size, num_kv_heads]: key slot s stands for k_cache[s] * k_scale[s].
       kv_cache_dtype: None (a float cache) or the quantized format of the pages ("fp8_e4m3",
         "fp8_e5m2", "int8"; paged_jax/core/kv_quant.py), static.
+      sliding_window: None (full causal attention) or a positive int, static: the query at
+        position p sees the keys p - sliding_window < k <= p (sliding_window keys, itself
+        included; HF / vLLM semantics). Pages wholly before a query block's window are never
+        read, so their block-table entries may point anywhere (a freed page, the null page).
 
     Returns:
       [num_tokens, num_q_heads, head_dim] in q.dtype. Query token j of a sequence with q_len
-      tokens sits at position seq_len - q_len + j and attends to positions <= its own.
-      Padding rows are finite and otherwise unspecified.
+      tokens sits at position seq_len - q_len + j and attends to positions <= its own (and,
+      with a window, > its own - sliding_window). Padding rows are finite and otherwise unspecified.
     """
     check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale,
-                      kv_cache_dtype)
+                      kv_cache_dtype, sliding_window)
     _check_pallas_args(k_cache, q.shape[-1])
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(q.shape[-1])
     num_seqs = jnp.reshape(num_seqs, ())
     return _ragged_paged_attention_pallas(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
                                           sm_scale, interpret, config or PallasConfig(), k_scale, v_scale,
-                                          get_format(kv_cache_dtype))
+                                          get_format(kv_cache_dtype), sliding_window)
 
 
 def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
                                      sm_scale=None, interpret=False, config=None, k_scale=None, v_scale=None,
-                                     kv_cache_dtype=None):
+                                     kv_cache_dtype=None, sliding_window=None):
     """Dense per-sequence causal attention over K/V gathered from the pages (float32 softmax).
 
     Same arguments as `ragged_paged_attention` (interpret and config are ignored); the
     reference of both the Pallas kernel and the XLA path (paged_jax/attention/xla.py).
     Sequence i attends with every token row and keeps the rows it owns, so all shapes are
     those of the bucket and eager calls compile once per bucket. Padding rows are zero.
+    A sliding window masks the keys each row cannot see (every page is gathered, a reference may).
     """
     del interpret, config
     check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale,
-                      kv_cache_dtype)
+                      kv_cache_dtype, sliding_window)
     fmt = get_format(kv_cache_dtype)
     if fmt is not None:  # a reference may convert every page
         k_cache, v_cache = pages_to_values(k_cache, fmt), pages_to_values(v_cache, fmt)
@@ -364,10 +399,15 @@ def ragged_paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens
         if k_scale is not None:  # dequantize this sequence's pages (a reference may)
             k = k * k_scale[block_tables[i]].reshape(-1, num_kv_heads, 1)
             v = v * v_scale[block_tables[i]].reshape(-1, num_kv_heads, 1)
-        v = jnp.where((key_pos < seq_len)[:, None, None], v, 0.0)  # unowned slots may be NaN
+        live = key_pos < seq_len
+        if sliding_window is not None:  # keys before the first query's window may be freed pages
+            live = live & (key_pos > seq_len - (end - start) - sliding_window)
+        v = jnp.where(live[:, None, None], v, 0.0)  # unowned slots may be NaN
         k, v = jnp.repeat(k, group, axis=1), jnp.repeat(v, group, axis=1)  # [L, H, D]
         q_pos = seq_len - (end - start) + (token - start)  # [T]
         visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < seq_len)  # [T, L]
+        if sliding_window is not None:
+            visible = visible & (key_pos[None, :] > q_pos[:, None] - sliding_window)
         scores = jnp.einsum("THD,LHD->HTL", q.astype(jnp.float32), k) * sm_scale  # T token, L key, H head
         weights = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
         owned = (token >= start) & (token < end)

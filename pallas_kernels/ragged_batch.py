@@ -4,10 +4,13 @@ A ragged batch packs the query tokens of every sequence back to back. Both impls
 sequence's tokens into query blocks of `block_q` rows, one sequence per block, so that a
 block reads its sequence's pages once for all its rows. These helpers map sequences to
 blocks and back to tokens with fixed-shape int32 arithmetic (everything runs under jit).
+Under a sliding window, both impls shift each block's table to its window's first page
+(window_tables), so neither reads a page wholly before a window.
 """
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import jax.numpy as jnp
@@ -96,6 +99,30 @@ def query_blocks(batch, q_lens, num_blocks, block_q):
                        first_block.astype(jnp.int32))
 
 
+def window_pages(sliding_window: int, block_q: int, block_size: int, max_blocks_per_seq: int) -> int:
+    """Static bound on the pages a query block of block_q tokens reads under a sliding window:
+    its keys span sliding_window + block_q - 1 positions (the first row's window to the last
+    row), so they touch at most cdiv(sliding_window + block_q - 2, block_size) + 1 pages."""
+    return min(max_blocks_per_seq, cdiv(sliding_window + block_q - 2, block_size) + 1)
+
+
+def window_first_key(q_pos0, sliding_window: int):
+    """Position of the oldest key any row of a block sees: the first key of the window of the
+    block's first query row (position q_pos0 sees q_pos0 - sliding_window < k <= q_pos0)."""
+    return jnp.maximum(q_pos0 - sliding_window + 1, 0)
+
+
+def window_tables(tables, q_pos0, sliding_window: int, block_size: int, width: int):
+    """tables i32[B, W] -> i32[B, width]: each block's table shifted left to start at the page
+    holding window_first_key(q_pos0), padded with the null page, so a block's loop over its
+    pages starts inside its window and never reads a page wholly before it. Key position
+    window_first_key // block_size * block_size sits at column 0."""
+    first_page = window_first_key(q_pos0, sliding_window) // block_size  # [B]
+    padded = jnp.pad(tables, ((0, 0), (0, width)))
+    columns = first_page[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]  # [B, width]
+    return jnp.take_along_axis(padded, columns, axis=1, mode="clip")
+
+
 def token_sequence(batch, num_tokens):
     """i32[num_tokens]: the sequence owning each token row (clamped for padding tokens)."""
     token_ids = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -130,8 +157,12 @@ def _check_quantized_cache(q, k_cache, v_cache, k_scale, v_scale, kv_cache_dtype
 
 
 def check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale=None,
-                      v_scale=None, kv_cache_dtype=None):
+                      v_scale=None, kv_cache_dtype=None, sliding_window=None):
     """Trace-time checks of a ragged paged-attention call (both impls): a ValueError that names the fix."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(
+            sliding_window, numbers.Integral) or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int (the keys each query sees, "
+                         "itself included) or None (full causal attention)")
     if q.ndim != 3:
         raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim], got {q.shape=}")
     if k_cache.ndim != 4:

@@ -6,7 +6,9 @@ Same sizes on both sides: decode (32 sequences x 1024 context, one query token e
 the paged side reads through randomly permuted block tables. Target: paged <= 1.3x. The
 baseline is plain dense attention (scores for every key, softmax, one einsum each way); the
 xla path's chunked online softmax with causal early exit can beat it, so a third column runs
-the xla path over consecutive pages and the last one is the cost of paging alone.
+the xla path over consecutive pages and the last one is the cost of paging alone. The
+sliding-window rows (Gemma 3's 512) run the same dense baseline with the window masked: the
+xla path reads only the window's pages, the baseline every key.
 
     python scripts/bench_attention.py [--repeats 10] [--out results/bench_attention.json]
 """
@@ -14,6 +16,7 @@ the xla path over consecutive pages and the last one is the cost of paging alone
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -31,9 +34,10 @@ NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 64, 16  # Llama-3.2-1B 
 MASK_VALUE = -1e30
 
 
-@jax.jit
-def contiguous_attention(q, k, v, seq_lens):
-    """Causal attention of each sequence's last q.shape[1] tokens over its contiguous cache.
+@functools.partial(jax.jit, static_argnames="sliding_window")
+def contiguous_attention(q, k, v, seq_lens, sliding_window=None):
+    """Causal attention of each sequence's last q.shape[1] tokens over its contiguous cache
+    (with sliding_window: query p sees keys p - sliding_window < k <= p).
 
     q: [S, Q, Hq, D]; k, v: [S, L, Hkv, D]; seq_lens: i32[S].
     Legend: S sequence, Q query token, L key position, K KV head, G query head in the group.
@@ -44,6 +48,8 @@ def contiguous_attention(q, k, v, seq_lens):
     scores = jnp.einsum("SQKGD,SLKD->SKGQL", q, k) / math.sqrt(head_dim)
     q_pos = seq_lens[:, None] - num_q + jnp.arange(num_q)[None, :]  # [S, Q]
     visible = jnp.arange(context)[None, None, :] <= q_pos[:, :, None]  # [S, Q, L]
+    if sliding_window is not None:
+        visible = visible & (jnp.arange(context)[None, None, :] > q_pos[:, :, None] - sliding_window)
     weights = jax.nn.softmax(jnp.where(visible[:, None, None], scores, MASK_VALUE), axis=-1)
     return jnp.einsum("SKGQL,SLKD->SQKGD", weights, v).reshape(num_seqs, num_q, num_q_heads, head_dim)
 
@@ -87,22 +93,24 @@ def time_ms(calls, repeats):
     return [statistics.median(s) for s in samples]
 
 
-def run_case(name, q_lens, seq_lens, context, max_blocks_per_seq, repeats, rng):
+def run_case(name, q_lens, seq_lens, context, max_blocks_per_seq, sliding_window=None, *, repeats, rng):
     num_seqs, num_q = len(seq_lens), max(q_lens)
     k = rng.standard_normal((num_seqs, context, NUM_KV_HEADS, HEAD_DIM), np.float32)
     v = rng.standard_normal((num_seqs, context, NUM_KV_HEADS, HEAD_DIM), np.float32)
     q = rng.standard_normal((num_seqs, num_q, NUM_Q_HEADS, HEAD_DIM), np.float32)
     contiguous_args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(np.asarray(seq_lens, np.int32)))
     paged_args = paged_inputs(rng, q_lens, seq_lens, max_blocks_per_seq, k, v, q)
-    expected = np.asarray(contiguous_attention(*contiguous_args))
-    got = np.asarray(ragged_paged_attention_xla(*paged_args))
+    contiguous = functools.partial(contiguous_attention, sliding_window=sliding_window)
+    paged = functools.partial(ragged_paged_attention_xla, sliding_window=sliding_window)
+    expected = np.asarray(contiguous(*contiguous_args))
+    got = np.asarray(paged(*paged_args))
     np.testing.assert_allclose(got, expected.reshape(got.shape), atol=1e-4, rtol=1e-4)  # same attention
     # The same xla path over consecutive pages separates the cost of paging from the algorithm.
     consecutive_args = paged_inputs(rng, q_lens, seq_lens, max_blocks_per_seq, k, v, q, permute=False)
-    paged = ragged_paged_attention_xla
     contiguous_ms, paged_ms, consecutive_ms = time_ms(
-        [(contiguous_attention, contiguous_args), (paged, paged_args), (paged, consecutive_args)], repeats)
+        [(contiguous, contiguous_args), (paged, paged_args), (paged, consecutive_args)], repeats)
     return dict(case=name, num_seqs=num_seqs, query_tokens=int(sum(q_lens)), context=context,
+                sliding_window=sliding_window,
                 table_width_tokens=max_blocks_per_seq * BLOCK_SIZE, contiguous_ms=round(contiguous_ms, 3),
                 paged_xla_ms=round(paged_ms, 3), ratio=round(paged_ms / contiguous_ms, 3),
                 xla_consecutive_pages_ms=round(consecutive_ms, 3),
@@ -121,6 +129,9 @@ def main():
         ("decode 32x1024, table 4096", [1] * 32, [1024] * 32, 1024, 256),
         ("prefill 512", [512], [512], 512, 32),
         ("prefill 512, table 4096", [512], [512], 512, 256),
+        # Gemma 3's local layers: a 512-key window on longer contexts
+        ("decode 32x2048, window 512", [1] * 32, [2048] * 32, 2048, 256, 512),
+        ("prefill 1024, window 512", [1024], [1024], 1024, 256, 512),
     ]
     rows = [run_case(*case, repeats=args.repeats, rng=rng) for case in cases]
     header = (f"{'case':<28} {'contiguous ms':>14} {'paged xla ms':>13} {'paged/contig':>13} "

@@ -83,3 +83,90 @@ def test_kernel_leaves_prefill_rows_zero():
     decode_rows = [int(qsl[i]) for i in range(int(num_seqs)) if lens[i] == 1]
     others = np.setdiff1d(np.arange(out.shape[0]), decode_rows)
     assert np.all(out[others] == 0) and np.all(np.abs(out[decode_rows]).sum(axis=(1, 2)) > 0)
+
+
+def _poison_before(batch, first_keys):
+    """NaN in every slot before each sequence's first visible key: the kernel's key loop starts
+    there, so reading any one of them (a page wholly outside the window, or a stale slot of
+    the first page) makes the row NaN."""
+    q, k, v, tables, seq_lens, qsl, num_seqs = batch
+    k, v = k.copy(), v.copy()
+    block_size = k.shape[1]
+    for i, first in enumerate(first_keys):
+        for pos in range(first):
+            k[tables[i, pos // block_size], pos % block_size] = np.nan
+            v[tables[i, pos // block_size], pos % block_size] = np.nan
+    return q, k, v, tables, seq_lens, qsl, num_seqs
+
+
+def _jnp_args(batch, dtype):
+    q, k, v, tables, seq_lens, qsl, num_seqs = batch
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(tables),
+            jnp.asarray(seq_lens), jnp.asarray(qsl), jnp.asarray(num_seqs))
+
+
+@needs_native
+@pytest.mark.parametrize("heads,head_dim", [((8, 2), 64), ((6, 2), 32)])  # AVX-512 loops where built; generic
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sliding_window", [1, 5, 16, 40, 512])
+def test_windowed_decodes_read_only_their_window(heads, head_dim, dtype, sliding_window):
+    rng = np.random.default_rng(sliding_window + head_dim)
+    seq_lens = [1, 15, 16, 67, 81, 300]
+    batch = build_batch(rng, [1] * len(seq_lens), seq_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
+                        head_dim=head_dim, block_size=16, dtype=dtype, num_tokens=8, max_num_seqs=7,
+                        max_blocks_per_seq=19)
+    batch = _poison_before(batch, [max(0, n - sliding_window) for n in seq_lens])
+    real = slice(0, len(seq_lens))
+    out = np.asarray(jax.jit(cpu_attention.decode_attention, static_argnames=("sm_scale", "sliding_window"))(
+        *_jnp_args(batch, dtype), sm_scale=float(head_dim ** -0.5), sliding_window=sliding_window))
+    assert np.isfinite(out).all(), "a key before the window was read"
+    np.testing.assert_allclose(out[real], attention_f64(*batch, sliding_window=sliding_window)[real],
+                               **TOLERANCE[dtype])
+
+
+@needs_native
+@pytest.mark.parametrize("sliding_window", [5, 40])
+def test_windowed_kernel_inside_the_xla_path_matches_its_loop(sliding_window, monkeypatch):
+    batch, _, real = _batch("mixed", 8, 2, 64, jnp.float32, seed=sliding_window)
+    _, _, _, _, seq_lens, qsl, num_seqs = batch
+    firsts = [max(0, int(seq_lens[i]) - int(qsl[i + 1] - qsl[i]) - sliding_window + 1) for i in range(num_seqs)]
+    batch = _poison_before(batch, [first // 16 * 16 for first in firsts])  # pages wholly before each window
+    args = _jnp_args(batch, jnp.float32)
+    attend = jax.jit(ragged_paged_attention_xla, static_argnames="sliding_window")
+    native = np.asarray(attend(*args, sliding_window=sliding_window))
+    monkeypatch.setattr(cpu_attention, "usable", lambda k_cache: False)
+    loop = np.asarray(jax.jit(ragged_paged_attention_xla, static_argnames="sliding_window")(
+        *args, sliding_window=sliding_window))
+    assert np.isfinite(native).all()
+    np.testing.assert_allclose(native[real], attention_f64(*batch, sliding_window=sliding_window)[real],
+                               **TOLERANCE[jnp.float32])
+    np.testing.assert_allclose(native, loop, **TOLERANCE[jnp.float32])
+
+
+@needs_native
+def test_portable_loops_with_a_window():
+    """The loops a CPU without AVX-512 runs, built with it off under names of their own (on an
+    AVX-512 machine the default build runs the other loops)."""
+    assert cpu_attention.build_and_register(("-mno-avx512f",), prefix="pj_test_portable_attention")
+    rng = np.random.default_rng(3)
+    seq_lens = [1, 40, 70]
+    batch = build_batch(rng, [1] * 3, seq_lens, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
+                        dtype=jnp.float32, num_tokens=4, max_num_seqs=4, max_blocks_per_seq=5)
+    batch = _poison_before(batch, [max(0, n - 24) for n in seq_lens])
+    out = np.asarray(cpu_attention.decode_attention(*_jnp_args(batch, jnp.float32), sm_scale=0.125,
+                                                    sliding_window=24, prefix="pj_test_portable_attention"))
+    np.testing.assert_allclose(out[:3], attention_f64(*batch, sliding_window=24)[:3], **TOLERANCE[jnp.float32])
+
+
+@needs_native
+def test_avx512_loops_compile():
+    """The AVX-512 loops build even where they cannot run (this machine may lack AVX-512)."""
+    from cpu_kernels import native
+
+    assert native.build(cpu_attention._SOURCE, ("-mavx512f", "-mavx512bw")) is not None
+
+
+def test_bad_window_for_the_kernel():
+    _, args, _ = _batch("decode", 8, 2, 64, jnp.float32)
+    with pytest.raises(ValueError, match="sliding_window"):
+        cpu_attention.decode_attention(*args, sm_scale=0.125, sliding_window=0)

@@ -41,6 +41,30 @@ def test_pallas_attention_lowers_for_cuda(num_q_heads, num_kv_heads, dtype, conf
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, "expected the decode and the prefill kernel"
 
 
+@pytest.mark.parametrize("sliding_window", [512, 100, 5])  # Gemma 3's; not a multiple of a page; under one page
+@pytest.mark.parametrize("config", [None, PallasConfig(decode_num_splits=1, prefill_rows=128, prefill_block_k=128)],
+                         ids=["default", "alt"])
+def test_sliding_window_pallas_attention_lowers_for_cuda(sliding_window, config):
+    """The windowed kernel (its tables shifted to the window and cut to the pages a window
+    spans, per-row window masks) lowers in both launches."""
+    fn = functools.partial(ragged_paged_attention, config=config, sliding_window=sliding_window)
+    text = lower_for_cuda(fn, *attention_args(32, 8))
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, "expected the decode and the prefill kernel"
+    assert text.count(f"sliding_window_{sliding_window}\\00") == 2, "both launches are the windowed kernel"
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "int8"])
+def test_sliding_window_quantized_pallas_attention_lowers_for_cuda(kv_cache_dtype):
+    q, cache, _, *rest = attention_args(32, 8)
+    pages = jax.ShapeDtypeStruct(cache.shape, FORMATS[kv_cache_dtype].page_dtype)
+    scales = jax.ShapeDtypeStruct(cache.shape[:3], jnp.float32)
+    fn = lambda *a, k_scale, v_scale: ragged_paged_attention(*a, k_scale=k_scale, v_scale=v_scale,  # noqa: E731
+                                                             kv_cache_dtype=kv_cache_dtype, sliding_window=512)
+    text = jax.jit(fn).trace(q, pages, pages, *rest, k_scale=scales, v_scale=scales).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, "expected the decode and the prefill kernel"
+
+
 def test_write_kv_cache_lowers_for_cuda():
     cache = jax.ShapeDtypeStruct((NUM_BLOCKS, BLOCK_SIZE, 8, HEAD_DIM), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((NUM_TOKENS, 8, HEAD_DIM), jnp.bfloat16)

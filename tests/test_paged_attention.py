@@ -2,8 +2,10 @@
 
 Every batch is built the hostile way: pages are a random permutation of the pool, every
 slot nobody owns (foreign pages, the null page, the tail of a last page) is NaN, and the
-buckets carry padded tokens and padded sequences. The Pallas kernel runs in interpret mode
-on the CPU and compiled on a GPU (scripts/gpu_check.sh runs this file there).
+buckets carry padded tokens and padded sequences. Sliding-window batches also poison every
+page wholly before a sequence's window (NaN) and the older slots of its first page (1e4).
+The Pallas kernel runs in interpret mode on the CPU and compiled on a GPU
+(scripts/gpu_check.sh runs this file there).
 """
 
 import functools
@@ -77,8 +79,9 @@ def build_batch(rng, q_lens, seq_lens, *, num_q_heads, num_kv_heads, head_dim, b
     return q, k_cache, v_cache, block_tables, seq_lens_arr, query_start_loc, np.int32(len(q_lens))
 
 
-def attention_f64(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs):
-    """Independent float64 numpy attention: token by token, head by head, from slot arithmetic."""
+def attention_f64(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, sliding_window=None):
+    """Independent float64 numpy attention: token by token, head by head, from slot arithmetic
+    (with sliding_window: the query at position p sees keys p - sliding_window < k <= p)."""
     _, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = np.zeros_like(q)
@@ -90,27 +93,29 @@ def attention_f64(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, 
         k, v = k_cache[pages, offsets], v_cache[pages, offsets]  # [L, num_kv_heads, D]
         for j, row in enumerate(rows):
             q_pos = seq_len - len(rows) + j
+            first = 0 if sliding_window is None else max(0, q_pos - sliding_window + 1)
             for h in range(num_q_heads):
                 kv_head = h // (num_q_heads // num_kv_heads)
-                logits = k[: q_pos + 1, kv_head] @ q[row, h] / np.sqrt(head_dim)
+                logits = k[first: q_pos + 1, kv_head] @ q[row, h] / np.sqrt(head_dim)
                 weights = np.exp(logits - logits.max())
-                out[row, h] = weights @ v[: q_pos + 1, kv_head] / weights.sum()
+                out[row, h] = weights @ v[first: q_pos + 1, kv_head] / weights.sum()
     return out
 
 
-def check_batch(batch, dtype, impls=("xla", "pallas"), config=None, with_reference=True):
+def check_batch(batch, dtype, impls=("xla", "pallas"), config=None, with_reference=True, sliding_window=None):
     """Run the impls (and the jnp reference) on one batch and compare every real row."""
     q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs = batch
-    expected = attention_f64(*batch)
+    expected = attention_f64(*batch, sliding_window=sliding_window)
+    window = {} if sliding_window is None else dict(sliding_window=sliding_window)
     args = (jnp.asarray(q, dtype), jnp.asarray(k_cache, dtype), jnp.asarray(v_cache, dtype),
             jnp.asarray(block_tables), jnp.asarray(seq_lens), jnp.asarray(query_start_loc), jnp.asarray(num_seqs))
     real = slice(0, int(query_start_loc[num_seqs]))
     tol = TOLERANCE[dtype]
     if with_reference:
-        reference = np.asarray(ragged_paged_attention_reference(*args).astype(jnp.float32))
+        reference = np.asarray(ragged_paged_attention_reference(*args, **window).astype(jnp.float32))
         np.testing.assert_allclose(reference[real], expected[real], **tol, err_msg="jnp reference vs float64")
     for impl in impls:
-        out = run_impl(impl, *args, config=config)
+        out = run_impl(impl, *args, config=config, **window)
         assert out.shape == q.shape and out.dtype == dtype
         out = np.asarray(out.astype(jnp.float32))
         # NaN pages must not leak anywhere, not even into padding rows.
@@ -298,3 +303,162 @@ def test_jits_with_traced_num_seqs_and_custom_scale():
     for impl in ("xla", "pallas"):
         step = jax.jit(functools.partial(run_impl, impl, sm_scale=0.3))
         np.testing.assert_allclose(np.asarray(step(*args))[:5], np.asarray(expected)[:5], atol=2e-5, rtol=2e-5)
+
+
+# sliding window (Gemma 3's local layers, Mistral): the query at position p sees the keys
+# p - sliding_window < k <= p
+
+STALE = 1e4  # stale keys of a partly-live page: finite, and loud (scores ~1e4) if a row sees one
+WINDOWS = [1, 5, 16, 40]  # itself only, smaller than a page, one page, not a multiple of a page
+
+
+def window_first_keys(batch, sliding_window):
+    """Per real sequence: the oldest key its first query row sees."""
+    _, _, _, _, seq_lens, qsl, num_seqs = batch
+    return [max(0, int(seq_lens[i]) - int(qsl[i + 1] - qsl[i]) - sliding_window + 1) for i in range(num_seqs)]
+
+
+def poison_outside_windows(batch, sliding_window):
+    """The batch with each sequence's pages wholly before its first query row's window NaN (a
+    sliding group frees them: they may hold anything), and the older slots of the page that
+    holds the window's first key STALE (finite, so only a missing per-row mask shows)."""
+    q, k, v, tables, seq_lens, qsl, num_seqs = batch
+    k, v = k.copy(), v.copy()
+    block_size = k.shape[1]
+    for i, first in enumerate(window_first_keys(batch, sliding_window)):
+        for pos in range(first):
+            page, slot = tables[i, pos // block_size], pos % block_size
+            k[page, slot] = v[page, slot] = np.nan if pos < first // block_size * block_size else STALE
+    return q, k, v, tables, seq_lens, qsl, num_seqs
+
+
+def window_batch(rng, sliding_window, *, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                 dtype=jnp.float32):
+    """A mixed batch for a window: decodes of 1, bs - 1, bs keys and far past the window, a
+    chunk on a context longer than the window, a fresh prefill longer than it, a 2-token
+    chunk at a page edge; out-of-window pages poisoned."""
+    bs = block_size
+    q_lens = [1, 1, 1, 1, bs + 3, 2 * bs + 5, 2, 1]
+    seq_lens = [1, bs - 1, bs, 4 * bs + 3, 5 * bs + 1, 2 * bs + 5, 3 * bs, sliding_window + bs]
+    batch = build_batch(rng, q_lens, seq_lens, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        block_size=bs, dtype=dtype, num_tokens=4 * bs + 16, max_num_seqs=9, max_blocks_per_seq=6)
+    return poison_outside_windows(batch, sliding_window)
+
+
+@pytest.mark.parametrize("sliding_window", WINDOWS)
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_sliding_window_ragged_batch(impl, sliding_window):
+    rng = np.random.default_rng(100 + sliding_window)
+    batch = window_batch(rng, sliding_window)
+    assert np.isnan(batch[1]).any(), "some page lies wholly outside a window"
+    check_batch(batch, jnp.float32, impls=(impl,), sliding_window=sliding_window)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_sliding_window_bf16_mqa_bs32(impl):
+    """Group 8 and pages of 32: a window of 40 spans parts of three pages."""
+    rng = np.random.default_rng(120)
+    batch = window_batch(rng, 40, num_q_heads=8, num_kv_heads=1, block_size=32, dtype=jnp.bfloat16)
+    check_batch(batch, jnp.bfloat16, impls=(impl,), sliding_window=40, with_reference=False)
+
+
+def test_sliding_window_with_split_decodes_pallas():
+    """Decode splits over a window's pages only (several splits, some past the window, empty)."""
+    rng = np.random.default_rng(121)
+    batch = build_batch(rng, [1, 1, 1, 3], [200, 150, 16, 100], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                        block_size=16, dtype=jnp.float32, num_tokens=8, max_num_seqs=5, max_blocks_per_seq=13)
+    config = PallasConfig(decode_block_k=16, decode_num_splits=4, prefill_rows=16, prefill_block_k=16)
+    check_batch(poison_outside_windows(batch, 70), jnp.float32, impls=("pallas",), config=config,
+                sliding_window=70, with_reference=False)
+
+
+def test_long_context_sliding_window_xla():
+    """Gemma 3's window (512) on contexts of 2048: decodes sorted into groups, a 64-token chunk."""
+    rng = np.random.default_rng(122)
+    batch = build_batch(rng, [1, 64, 1, 1], [1100, 1088, 2048, 1], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                        block_size=16, dtype=jnp.float32, num_tokens=80, max_num_seqs=6, max_blocks_per_seq=130)
+    check_batch(poison_outside_windows(batch, 512), jnp.float32, impls=("xla",), sliding_window=512,
+                with_reference=False)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_window_covering_every_context_changes_nothing(impl):
+    """A window at least the table width sees every key: the same numbers as None, bit for bit
+    (the same pages, splits and chunks; only masks that are all true are added)."""
+    rng = np.random.default_rng(123)
+    q_lens, seq_lens = scenario("mixed", 16, rng)
+    batch = build_batch(rng, q_lens, seq_lens, num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+                        dtype=jnp.float32, num_tokens=48, max_num_seqs=6, max_blocks_per_seq=5)
+    args = [jnp.asarray(x, jnp.float32) for x in batch[:3]] + [jnp.asarray(x) for x in batch[3:]]
+    full = np.asarray(run_impl(impl, *args))
+    np.testing.assert_array_equal(np.asarray(run_impl(impl, *args, sliding_window=None)), full)
+    np.testing.assert_array_equal(np.asarray(run_impl(impl, *args, sliding_window=5 * 16)), full)
+
+
+def test_window_tables_start_at_each_blocks_window():
+    """Exact shifted tables: block b's column 0 is the page holding key q_pos0 - W + 1."""
+    from pallas_kernels.ragged_batch import window_first_key, window_pages, window_tables
+
+    tables = jnp.asarray([[7, 3, 9, 4, 2], [5, 6, 0, 0, 0], [8, 1, 0, 0, 0]], jnp.int32)
+    q_pos0 = jnp.asarray([70, 20, 0], jnp.int32)  # window 40: first keys 31, 0, 0
+    assert window_pages(40, 1, 16, 5) == 4 and window_pages(40, 32, 16, 100) == 6 and window_pages(1, 1, 16, 9) == 1
+    assert window_first_key(q_pos0, 40).tolist() == [31, 0, 0]
+    assert window_tables(tables, q_pos0, 40, 16, 4).tolist() == [[3, 9, 4, 2], [5, 6, 0, 0], [8, 1, 0, 0]]
+    assert window_tables(tables, jnp.asarray([79, 79, 79], jnp.int32), 16, 16, 2).tolist() == [
+        [2, 0], [0, 0], [0, 0]]
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "reference"])
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "512"])
+def test_bad_sliding_window_raises(impl, bad):
+    fn = ragged_paged_attention_reference if impl == "reference" else functools.partial(run_impl, impl)
+    with pytest.raises(ValueError, match="sliding_window"):
+        fn(*_args(), sliding_window=bad)
+
+
+@pytest.mark.parametrize("name, impl", [("int8", "xla"), ("fp8_e4m3", "xla"), ("fp8_e4m3", "pallas")])
+def test_sliding_window_over_quantized_pages(name, impl):
+    """Per-token-scaled one-byte pages through the same loops: the window applies there too
+    (NaN scales, and NaN fp8 pages, on every page wholly outside a window)."""
+    from paged_jax.core.kv_quant import FORMATS, per_token_scale_numpy, quantize_numpy, to_pages_numpy
+
+    fmt = FORMATS[name]
+    rng = np.random.default_rng(124)
+    q, k, v, *rest = window_batch(rng, 40)
+    stored, dequantized = [], []
+    for x in (k, v):
+        live = np.isfinite(x[..., 0])  # [num_blocks, block_size, num_kv_heads]
+        scale = np.where(live, per_token_scale_numpy(np.nan_to_num(x), fmt), np.nan).astype(np.float32)
+        values = quantize_numpy(np.nan_to_num(x), fmt, np.where(live, scale, 1.0)[..., None])
+        if not fmt.is_integer:
+            values = np.where(live[..., None], values, np.array(np.nan, values.dtype))
+        stored += [jnp.asarray(to_pages_numpy(values, fmt)), jnp.asarray(scale)]
+        dequantized.append(values.astype(np.float64) * scale[..., None].astype(np.float64))
+    batch = (q, *dequantized, *rest)
+    expected = attention_f64(*batch, sliding_window=40)
+    out = run_impl(impl, jnp.asarray(q, jnp.float32), stored[0], stored[2], *[jnp.asarray(x) for x in rest],
+                   k_scale=stored[1], v_scale=stored[3], kv_cache_dtype=name, sliding_window=40)
+    out = np.asarray(out)
+    real = slice(0, int(rest[2][rest[3]]))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[real], expected[real], **TOLERANCE[jnp.float32])
+
+
+def test_backends_pass_the_specs_window():
+    import dataclasses
+
+    from models.kv_cache_spec import QuantizedAttentionSpec
+    from paged_jax.attention import QuantizedTritonAttention, QuantizedXlaAttention
+
+    if "sliding_window" not in {f.name for f in dataclasses.fields(FullAttentionSpec)}:
+        pytest.skip("FullAttentionSpec has no sliding_window yet")
+    spec = FullAttentionSpec(num_kv_heads=2, head_dim=64, dtype="float32", sliding_window=40)
+    quantized = QuantizedAttentionSpec(2, 64, "float32", "int8", sliding_window=40)
+    assert XlaAttention(spec).sliding_window == TritonAttention(spec).sliding_window == 40
+    assert QuantizedXlaAttention(quantized).sliding_window == QuantizedTritonAttention(quantized).sliding_window == 40
+    assert XlaAttention(dataclasses.replace(spec, sliding_window=None)).sliding_window is None
+    rng = np.random.default_rng(125)
+    batch = window_batch(rng, 40)
+    args = [jnp.asarray(x, jnp.float32) for x in batch[:3]] + [jnp.asarray(x) for x in batch[3:]]
+    np.testing.assert_array_equal(np.asarray(XlaAttention(spec)._attend(*args, sm_scale=0.125)),
+                                  np.asarray(ragged_paged_attention_xla(*args, sm_scale=0.125, sliding_window=40)))

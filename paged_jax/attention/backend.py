@@ -27,8 +27,18 @@ from pallas_kernels.kv_cache_write import write_kv_cache
 from pallas_kernels.paged_attention import PallasConfig, ragged_paged_attention
 
 
+class _SlidingWindow:
+    """The window of a backend's spec, passed to every implementation as sliding_window."""
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The spec's window (query p sees keys p - sliding_window < k <= p); None: full causal.
+        getattr: a spec type without the field is a full-attention one."""
+        return getattr(self.spec, "sliding_window", None)
+
+
 @dataclasses.dataclass(frozen=True)
-class _FullAttentionBackend:
+class _FullAttentionBackend(_SlidingWindow):
     """Shared body of the GQA backends: the KV write, then `_attend` over the updated pages."""
 
     spec: FullAttentionSpec
@@ -36,7 +46,8 @@ class _FullAttentionBackend:
     name = "base"
 
     def __call__(self, q, k, v, kv_cache, attn_metadata, *, sm_scale: float):
-        """Write k, v at attn_metadata.slot_mapping, then attend.
+        """Write k, v at attn_metadata.slot_mapping, then attend (over spec.sliding_window keys
+        per query when the spec has a window).
 
         Args:
           q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (any float dtype;
@@ -64,7 +75,7 @@ class XlaAttention(NoKernelOptions, _FullAttentionBackend):
     name = "xla"
 
     def _attend(self, *args, sm_scale):
-        return ragged_paged_attention_xla(*args, sm_scale=sm_scale)
+        return ragged_paged_attention_xla(*args, sm_scale=sm_scale, sliding_window=self.sliding_window)
 
 
 @register_backend(FullAttentionSpec, "triton")
@@ -79,11 +90,12 @@ class TritonAttention(KernelOptions, _FullAttentionBackend):
     name = "triton"
 
     def _attend(self, *args, sm_scale):
-        return ragged_paged_attention(*args, sm_scale=sm_scale, interpret=self.interpret, config=self.config)
+        return ragged_paged_attention(*args, sm_scale=sm_scale, interpret=self.interpret, config=self.config,
+                                      sliding_window=self.sliding_window)
 
 
 @dataclasses.dataclass(frozen=True)
-class _QuantizedAttentionBackend:
+class _QuantizedAttentionBackend(_SlidingWindow):
     """Shared body of the quantized backends (QuantizedAttentionSpec): quantize on write, then
     attend over the one-byte pages, dequantized per tile inside the implementation.
 
@@ -103,7 +115,8 @@ class _QuantizedAttentionBackend:
         return functools.partial(self, kv_scales=kv_scales, key_offset=key_offset)
 
     def __call__(self, q, k, v, kv_cache, attn_metadata, *, sm_scale: float, kv_scales=None, key_offset=None):
-        """Quantize k, v into the pages at attn_metadata.slot_mapping, then attend.
+        """Quantize k, v into the pages at attn_metadata.slot_mapping, then attend (over
+        spec.sliding_window keys per query when the spec has a window).
 
         Args:
           q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (any float dtype;
@@ -154,7 +167,8 @@ class QuantizedXlaAttention(NoKernelOptions, _QuantizedAttentionBackend):
     def _attend(self, q, k_cache, v_cache, *, k_scale=None, v_scale=None, sm_scale, **md):
         return ragged_paged_attention_xla(q, k_cache, v_cache, md["block_tables"], md["seq_lens"],
                                           md["query_start_loc"], md["num_seqs"], sm_scale=sm_scale,
-                                          k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=self.spec.kv_cache_dtype)
+                                          k_scale=k_scale, v_scale=v_scale, kv_cache_dtype=self.spec.kv_cache_dtype,
+                                          sliding_window=self.sliding_window)
 
 
 @register_backend(QuantizedAttentionSpec, "triton")
@@ -172,7 +186,7 @@ class QuantizedTritonAttention(KernelOptions, _QuantizedAttentionBackend):
         return ragged_paged_attention(q, k_cache, v_cache, md["block_tables"], md["seq_lens"],
                                       md["query_start_loc"], md["num_seqs"], sm_scale=sm_scale,
                                       interpret=self.interpret, config=self.config, k_scale=k_scale, v_scale=v_scale,
-                                      kv_cache_dtype=self.spec.kv_cache_dtype)
+                                      kv_cache_dtype=self.spec.kv_cache_dtype, sliding_window=self.sliding_window)
 
 
 def bind_layer(attention, layer_inputs: dict, i: int):

@@ -15,6 +15,12 @@ longest context first, so that a group's members need about as many chunks as it
 one. Memory
 is bounded by one group's chunk, group_blocks x chunk x num_kv_heads x head_dim.
 
+With a sliding window (query p sees keys p - sliding_window < k <= p) each block's table is
+shifted to start at the page holding its first row's oldest visible key
+(ragged_batch.window_tables), so the chunk loop starts inside every block's window, walks at
+most the pages a window spans, and never reads a page wholly before it; older keys of that
+first page are masked per row.
+
 Einsum legend: B = query block, Q = query row in the block, K = KV head, G = query head
 within the KV group, D = head_dim, C = key position within the context chunk.
 """
@@ -31,7 +37,7 @@ from jax import lax
 from cpu_kernels import paged_attention as cpu_attention
 from pallas_kernels.kv_cache_write import get_format, pages_to_values
 from pallas_kernels.ragged_batch import (cdiv, check_ragged_args, max_prefill_blocks, query_blocks, ragged_batch,
-                                         split_decodes_and_prefills)
+                                         split_decodes_and_prefills, window_first_key, window_pages, window_tables)
 
 # Finite, so a row with every key masked (a padding row) gives a finite output, not NaN.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -42,8 +48,9 @@ CONTEXT_CHUNK_TOKENS = 128  # small chunks stay in cache and let causal blocks s
 
 
 def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_scale, k_scale=None, v_scale=None,
-                  fmt=None):
-    """Attention of one group of query blocks over their pages, chunk by chunk.
+                  fmt=None, sliding_window=None):
+    """Attention of one group of query blocks over their pages, chunk by chunk (causal, and
+    with sliding_window: query p sees keys p - sliding_window < k <= p only).
 
     Args:
       q: [num_tokens, num_q_heads, head_dim].
@@ -55,6 +62,8 @@ def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_s
       tables: i32[B, W'], each block's sequence's block table, W' whole chunks of pages.
       q_pos0, num_rows: i32[B], first query position and real rows (0: padding block).
       row_token: i32[B, Q], the token row of each query row.
+      sliding_window: None or a positive int, static: each block's chunks start at the page
+        holding its first row's oldest visible key.
 
     Returns:
       f32[B, Q, num_q_heads, head_dim]; rows past num_rows are finite garbage.
@@ -69,6 +78,13 @@ def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_s
     q_pos = q_pos0[:, None] + jnp.arange(block_q)[None, :]  # [B, Q]
     # Keys past the block's last query position are never visible to it.
     kv_end = q_pos0 + num_rows  # [B]
+    if sliding_window is not None:
+        # Column 0 of a block's shifted table holds key kv_start[b]: its window's first page.
+        # Whole chunks of pages: a multiple of chunk_pages, at most the (whole-chunk) table width.
+        width = cdiv(window_pages(sliding_window, block_q, block_size, tables.shape[1]), chunk_pages) * chunk_pages
+        tables = window_tables(tables, q_pos0, sliding_window, block_size, width)
+        kv_first = window_first_key(q_pos0, sliding_window)  # [B]
+        kv_start = kv_first // block_size * block_size  # [B]
 
     def chunk_step(chunk, carry):
         m_prev, l_prev, acc_prev = carry  # [B, K, G, Q], [B, K, G, Q], [B, K, G, Q, D]
@@ -79,7 +95,11 @@ def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_s
             k, v = pages_to_values(k, fmt), pages_to_values(v, fmt)
         k, v = k.astype(q.dtype), v.astype(q.dtype)
         key_pos = chunk * chunk_len + jnp.arange(chunk_len, dtype=jnp.int32)  # [C]
-        key_valid = key_pos[None, :] < kv_end[:, None]  # [B, C]
+        if sliding_window is None:
+            key_valid = key_pos[None, :] < kv_end[:, None]  # [B, C]
+        else:  # per block: key_pos [B, C]; stale keys of the first page are masked, V included
+            key_pos = kv_start[:, None] + key_pos[None, :]
+            key_valid = (key_pos < kv_end[:, None]) & (key_pos >= kv_first[:, None])  # [B, C]
         # Slots past seq_len and pages of other sequences may hold NaN: a zero weight times
         # NaN is still NaN, so the values themselves are masked, not only the scores.
         v = jnp.where(key_valid[:, :, None, None], v, jnp.zeros((), v.dtype))
@@ -88,7 +108,11 @@ def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_s
             # [B, C, K] -> [B, K, 1, 1, C]: q . (k * s) = (q . k) * s per key.
             scores = scores * k_scale[pages].reshape(num_blocks_g, chunk_len, num_kv_heads).transpose(
                 0, 2, 1)[:, :, None, None, :]
-        visible = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [B, Q, C]
+        if sliding_window is None:
+            visible = key_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [B, Q, C]
+        else:
+            offset = q_pos[:, :, None] - key_pos[:, None, :]  # [B, Q, C]: query minus key position
+            visible = key_valid[:, None, :] & (offset >= 0) & (offset < sliding_window)
         scores = jnp.where(visible[:, None, None], scores * sm_scale, MASK_VALUE)
         m_next = jnp.maximum(m_prev, scores.max(axis=-1))
         correction = jnp.exp(m_prev - m_next)
@@ -105,7 +129,8 @@ def _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_s
     carry = (jnp.full(stat_shape, MASK_VALUE, jnp.float32), jnp.zeros(stat_shape, jnp.float32),
              jnp.zeros((*stat_shape, head_dim), jnp.float32))
     # Stop at the longest context of the group, not at the table width (max_model_len).
-    num_chunks = jnp.minimum(cdiv(jnp.max(kv_end), chunk_len), tables.shape[1] // chunk_pages)
+    num_keys = jnp.max(kv_end) if sliding_window is None else jnp.max(kv_end - kv_start)
+    num_chunks = jnp.minimum(cdiv(num_keys, chunk_len), tables.shape[1] // chunk_pages)
     _, l_final, acc = lax.fori_loop(0, num_chunks, chunk_step, carry)
     out = acc / jnp.maximum(l_final, 1e-30)[..., None]  # [B, K, G, Q, D]
     return out.transpose(0, 3, 1, 2, 4).reshape(num_blocks_g, block_q, num_q_heads, head_dim)
@@ -164,28 +189,31 @@ def attend_in_blocks(out, attend_group, block_tables, batch, q_lens, *, block_si
 
 
 def _attend_blocks(out, q, k_cache, v_cache, block_tables, batch, q_lens, sm_scale, *, block_q, num_blocks,
-                   group_blocks, k_scale=None, v_scale=None, fmt=None):
+                   group_blocks, k_scale=None, v_scale=None, fmt=None, sliding_window=None):
     """GQA attention for the tokens of `q_lens`, scattered into out [num_tokens, num_q_heads, head_dim]."""
 
     def attend_group(tables, q_pos0, num_rows, row_token):
-        return _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_scale, k_scale, v_scale, fmt)
+        return _attend_group(q, k_cache, v_cache, tables, q_pos0, num_rows, row_token, sm_scale, k_scale, v_scale, fmt,
+                             sliding_window)
 
     return attend_in_blocks(out, attend_group, block_tables, batch, q_lens, block_size=k_cache.shape[1],
                             block_q=block_q, num_blocks=num_blocks, group_blocks=group_blocks)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_cache_dtype"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "kv_cache_dtype", "sliding_window"))
 def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, *,
-                               sm_scale=None, k_scale=None, v_scale=None, kv_cache_dtype=None):
-    """Causal attention of a ragged batch of query tokens over paged K/V, gather-based.
+                               sm_scale=None, k_scale=None, v_scale=None, kv_cache_dtype=None, sliding_window=None):
+    """Causal (optionally sliding-window) attention of a ragged batch of query tokens over
+    paged K/V, gather-based.
 
     Args and Returns: those of pallas_kernels.paged_attention.ragged_paged_attention (the
     contract both paths share, with every shape, quantized caches (kv_cache_dtype) and their
-    per-token k_scale / v_scale included), without its interpret and config. Padding rows here
-    are zero.
+    per-token k_scale / v_scale, and sliding_window: None, or query p sees keys
+    p - sliding_window < k <= p, included), without its interpret and config. Padding rows
+    here are zero.
     """
     check_ragged_args(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs, k_scale, v_scale,
-                      kv_cache_dtype)
+                      kv_cache_dtype, sliding_window)
     if sm_scale is None:
         sm_scale = q.shape[-1] ** -0.5
     num_tokens = q.shape[0]
@@ -194,14 +222,14 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, quer
     split = split_decodes_and_prefills(batch)
     attend = functools.partial(_attend_blocks, q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                                batch=batch, sm_scale=sm_scale, k_scale=k_scale, v_scale=v_scale,
-                               fmt=get_format(kv_cache_dtype))
+                               fmt=get_format(kv_cache_dtype), sliding_window=sliding_window)
     # decode: one single-row block per decoding sequence (on a CPU, float caches: the native
     # kernel reads the pages in place, cpu_kernels/paged_attention.py); padding rows stay zero
     xla_decode = functools.partial(attend, q_lens=split.decode_q_lens, block_q=1, num_blocks=max_num_seqs,
                                    group_blocks=min(DECODE_GROUP, max_num_seqs))
     out = jnp.zeros(q.shape, q.dtype)
     if get_format(kv_cache_dtype) is None and cpu_attention.usable(k_cache):
-        native = functools.partial(cpu_attention.decode_attention, sm_scale=sm_scale)
+        native = functools.partial(cpu_attention.decode_attention, sm_scale=sm_scale, sliding_window=sliding_window)
         out = lax.platform_dependent(
             q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
             cpu=lambda *args: native(*args).astype(q.dtype), default=lambda *args: xla_decode(out))
