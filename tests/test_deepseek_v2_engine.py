@@ -18,18 +18,9 @@ transformers = pytest.importorskip("transformers", reason="HF parity needs trans
 from paged_jax import LLM, SamplingParams  # noqa: E402
 from test_deepseek_v2 import hf_deepseek  # noqa: E402
 from engine_reference import assert_no_leak  # noqa: E402
+from hf_reference import hf_greedy  # noqa: E402
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
-
-
-def hf_greedy(model, prompt, max_tokens):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            logits = model(torch.as_tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits
-            ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
 
 def test_greedy_equals_transformers_under_preemption_and_prefix_caching(tmp_path):
     ref = hf_deepseek(num_layers=2, seed=5)  # dense, MoE; token ids < 256 fit the tiny tokenizer

@@ -122,19 +122,6 @@ def checkpoint(tmp_path_factory):
         return made[name]
 
     return get
-
-
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
-
-
-def assert_close_rel(ours, ref, what):
-    ours, ref = np.asarray(ours), np.asarray(ref)
-    err = np.abs(ours - ref).max() / np.abs(ref).max()
-    assert err <= REL_TOL, f"{what}: max |ours - transformers| / max |transformers| = {err:.2e}"
-
-
 def check_dense(model, ref, what, seq_len=40, seed=1):
     ids = np.random.default_rng(seed).integers(0, VOCAB, size=(2, seq_len))
     assert_close_rel(model.dense_forward(jnp.asarray(ids, jnp.int32)), hf_logits(ref, ids), what)
@@ -221,16 +208,6 @@ def test_each_tensor_is_placed_by_its_own_rule(checkpoint):
 
 # ---------------------------------------------------------------- engine
 
-
-def hf_greedy(model, prompt, max_tokens):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            logits = model(torch.as_tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)).logits
-            ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt):]
-
-
 @pytest.mark.parametrize("name", ["qwen3", "qwen2-tied", "qwen3-moe-norm", "mistral", "phi3"])
 def test_engine_greedy_equals_transformers_under_preemption_and_prefix_caching(checkpoint, name):
     ref, path = checkpoint(name)
@@ -272,6 +249,7 @@ import os, runpy, sys
 script = sys.argv[1]
 sys.path.insert(0, os.path.dirname(script))
 import conversion.base as base
+from hf_reference import assert_close_rel, hf_greedy, hf_logits  # noqa: E402
 sentencepiece_vocab = base.TextModel._create_vocab_sentencepiece
 def create_vocab_sentencepiece(self):
     if not (self.dir_model / "tokenizer.model").is_file():

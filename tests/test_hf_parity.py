@@ -22,6 +22,7 @@ from models.kv_cache_spec import init_kv_caches  # noqa: E402
 from paged_jax.attention import make_attention_backend  # noqa: E402
 from models.llama import load_hf_checkpoint, save_hf_checkpoint  # noqa: E402
 from hand_step_inputs import hand_step_inputs  # noqa: E402
+from hf_reference import assert_close_rel, hf_logits  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -52,19 +53,6 @@ def hf_model(*, rope_scaling=None, tied=False, rope_theta=10000.0, seed=0):
             else:  # linear [out, in]
                 p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
     return model
-
-
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(torch.as_tensor(np.asarray(ids), dtype=torch.long)).logits.float().numpy()
-
-
-def assert_close_rel(ours, ref, what):
-    ours, ref = np.asarray(ours), np.asarray(ref)
-    err = np.abs(ours - ref).max() / np.abs(ref).max()
-    assert err <= REL_TOL, f"{what}: max |ours - transformers| / max |transformers| = {err:.2e}"
-
-
 def paged_logits(model, ids, chunk_ends, block_size=8, num_blocks=24, seed=0):
     """Run the rows of ids [B, L] as B sequences of one paged batch, in the given chunks.
 
