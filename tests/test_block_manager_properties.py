@@ -10,15 +10,22 @@ preempt / abort / reset steps on a small pool. After every step:
 The model keys its cache by the full token prefix (plus salt) instead of chain hashes, and
 keeps its free queue in a Python list, so it shares no code with the manager. At teardown
 every request ends and nothing may leak.
+
+A second machine drives a full-attention + sliding-window pair of groups the same way and,
+after every operation, checks the invariants (nulls a prefix of a sliding table, none in a
+full one), that a sliding table holds no more than max_blocks_per_request, exactly the nulls
+vLLM's rule puts there, and that every hit is the longest prefix both groups accept (found
+by trying every length, not by the right-to-left search).
 """
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paged_jax.core.config import CacheConfig
+from paged_jax.core.config import CacheConfig, KVCacheGroupSpec
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request
+from paged_jax.core.single_type_kv_cache_manager import max_blocks_per_request
 
 BS = 4
 MAX_LEN = 48
@@ -228,3 +235,161 @@ class BlockManagerMachine(RuleBasedStateMachine):
 # seconds under "dev" (30 examples).
 BlockManagerMachine.TestCase.settings = settings(stateful_step_count=50, deadline=None)
 TestBlockManager = BlockManagerMachine.TestCase
+
+
+# ---------------------------------------------------------------- full + sliding window
+MAX_CHUNK = 8  # tokens one step computes for a request
+MAX_LOOKAHEAD = 2
+
+
+class SlidingPairMachine(RuleBasedStateMachine):
+    """Group 0 full attention, groups 1.. sliding windows of W tokens (one or two: two of one
+    spec are looked up together), one pool."""
+
+    @initialize(num_blocks=st.integers(6, 24), window=st.sampled_from([1, 5, 8, 12]), num_sliding=st.integers(1, 2))
+    def setup(self, num_blocks, window, num_sliding):
+        self.window = window
+        self.groups = (KVCacheGroupSpec((0,)),) + tuple(
+            KVCacheGroupSpec((g,), "sliding_window", sliding_window=window) for g in range(1, num_sliding + 1))
+        self.mgr = KVCacheManager(CacheConfig(BS, num_blocks, MAX_LEN, kv_cache_groups=self.groups))
+        # A table's coverage can run MAX_LOOKAHEAD past a step's own slots (an earlier step's lookahead).
+        self.bound = max_blocks_per_request(self.groups[1], BS, MAX_LEN, MAX_CHUNK + 2 * MAX_LOOKAHEAD)
+        self.waiting, self.running, self.requests = [], [], {}
+        self.counter = 0
+
+    def skipped_blocks(self, num_computed):
+        return max(0, num_computed - self.window + 1) // BS
+
+    def accepts(self, req, num_blocks):
+        """Whether both groups can resume req after num_blocks cached blocks, by the rule: full
+        attention needs all of them, the sliding group the max(1, cdiv(W - 1, 4)) before the
+        hit point (all of them when there are fewer)."""
+        if num_blocks == 0:
+            return True
+        pool = self.mgr.block_pool
+        hashes = req.block_hashes
+        num_needed = max(1, -(-(self.window - 1) // BS))
+        return (all(pool.get_cached_block(hashes[i], 0) is not None for i in range(num_blocks))
+                and all(pool.get_cached_block(hashes[i], g) is not None for g in range(1, len(self.groups))
+                        for i in range(max(0, num_blocks - num_needed), num_blocks)))
+
+    def check_hit(self, req, hits, num_hit):
+        full, *windows = hits.blocks
+        assert all(len(w) == len(full) for w in windows) and num_hit == len(full) * BS
+        max_num_blocks = (req.num_tokens - 1) // BS
+        expected = max(n for n in range(max_num_blocks + 1) if self.accepts(req, n))
+        assert len(full) == expected, f"hit of {len(full)} blocks, but {expected} are accepted by both groups"
+        pool = self.mgr.block_pool
+        for i, b in enumerate(full):
+            assert b is pool.get_cached_block(req.block_hashes[i], 0)
+        for g, window in enumerate(windows, 1):
+            for i, b in enumerate(window):
+                assert b.is_null or b is pool.get_cached_block(req.block_hashes[i], g)
+
+    def check_table(self, req, nulls_before):
+        """After an allocation: the sliding nulls vLLM's rule leaves (every sliding group alike),
+        within the bound."""
+        full_ids, *windows = self.mgr.get_block_ids(req.request_id)
+        assert 0 not in full_ids
+        for window_ids in windows:
+            num_nulls = window_ids.count(0)
+            assert window_ids[:num_nulls] == [0] * num_nulls
+            expected = max(nulls_before, min(self.skipped_blocks(req.num_computed_tokens), len(window_ids)))
+            assert num_nulls == expected, f"{num_nulls} null blocks, expected {expected}: {window_ids}"
+            assert len(window_ids) - num_nulls <= self.bound, f"{window_ids} holds more than {self.bound} blocks"
+        self.mgr.check_invariants(self.requests)
+
+    @precondition(lambda self: len(self.waiting) < 3)
+    @rule(prefix=st.sampled_from(PREFIXES), cut=st.sampled_from([12, 12, 9, 8, 5, 1]),
+          suffix=st.lists(st.integers(1, 3), max_size=6))
+    def add(self, prefix, cut, suffix):
+        req = Request(f"r{self.counter}", prefix[:cut] + suffix)
+        self.counter += 1
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data(), chunk=st.integers(1, MAX_CHUNK), lookahead=st.integers(0, MAX_LOOKAHEAD))
+    def schedule_waiting(self, data, chunk, lookahead):
+        req = self.waiting[data.draw(st.integers(0, len(self.waiting) - 1))]
+        hits, num_hit = self.mgr.get_computed_blocks(req)
+        self.check_hit(req, hits, num_hit)
+        num_new = min(chunk, req.num_tokens - num_hit)
+        new = self.mgr.allocate_slots(req, num_new, num_hit, hits, lookahead)
+        if new is None:
+            assert self.mgr.get_block_ids(req.request_id) == ([],) * len(self.groups)
+            return
+        # A new table: its hits before the window of the hit tokens are null.
+        nulls = self.skipped_blocks(num_hit)
+        req.num_computed_tokens = num_hit
+        self.check_table(req, nulls)
+        self.waiting.remove(req)
+        self.running.append(req)
+        self._computed(req, num_hit + num_new)
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data(), chunk=st.integers(1, MAX_CHUNK), lookahead=st.integers(0, MAX_LOOKAHEAD),
+          repeat=st.integers(1, 12))
+    def step(self, data, chunk, lookahead, repeat):
+        mask = data.draw(st.lists(st.booleans(), min_size=len(self.running), max_size=len(self.running)))
+        for _ in range(repeat):
+            for req, go in zip(list(self.running), mask):
+                if go and req in self.running:
+                    num_new = min(chunk, req.num_tokens - req.num_computed_tokens)
+                    nulls_before = self.mgr.get_block_ids(req.request_id)[1].count(0)
+                    if self.mgr.allocate_slots(req, num_new, num_lookahead_tokens=lookahead) is None:
+                        # The window's blocks were freed even so (vLLM frees before checking room).
+                        self.check_table(req, nulls_before)
+                        self._preempt(req)
+                        continue
+                    self.check_table(req, nulls_before)
+                    self._computed(req, req.num_computed_tokens + num_new)
+
+    def _computed(self, req, num_computed):
+        req.num_computed_tokens = num_computed
+        if num_computed == req.num_tokens:
+            if req.num_tokens >= MAX_LEN:
+                self._end(req)
+            else:
+                req.append_output_token_ids(1 + req.num_tokens % 3)
+
+    def _end(self, req):
+        self.mgr.free(req)
+        self.running.remove(req)
+        del self.requests[req.request_id]
+
+    def _preempt(self, req):
+        self.running.remove(req)
+        self.mgr.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.insert(0, req)
+
+    @rule(data=st.data(), kind=st.sampled_from(["finish", "preempt", "preempt", "reset"]))
+    def interrupt(self, data, kind):
+        if kind == "reset":
+            assert self.mgr.reset_prefix_cache() == (not self.running)
+            return
+        if not self.running:
+            return
+        req = self.running[data.draw(st.integers(0, len(self.running) - 1))]
+        self._end(req) if kind == "finish" else self._preempt(req)
+
+    @invariant()
+    def invariants_hold(self):
+        if hasattr(self, "mgr"):
+            self.mgr.check_invariants(self.requests)
+
+    def teardown(self):
+        if not hasattr(self, "mgr"):
+            return
+        for req in list(self.running):
+            self._end(req)
+        self.mgr.check_invariants()
+        assert self.mgr.get_num_free_blocks() == self.mgr.config.num_usable_blocks, "blocks leaked"
+        assert all(b.ref_cnt == 0 for b in self.mgr.block_pool.blocks[1:]), "references leaked"
+        assert not any(m.req_to_blocks or m.num_cached_block for m in self.mgr.coordinator.managers)
+
+
+SlidingPairMachine.TestCase.settings = settings(stateful_step_count=50, deadline=None)
+TestSlidingPair = SlidingPairMachine.TestCase

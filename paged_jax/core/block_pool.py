@@ -9,6 +9,8 @@ Invariants (check_invariants asserts each one):
   chain hash tagged with the block's KV-cache group (hash_with_group_id): each group's
   layers hold their own pages of a prefix, so each group caches its own blocks of it.
 - The null block (block 0) is taken at start and never freed, cached, touched or queued.
+  Block tables may hold it (a sliding-window group's blocks that slid out of the window):
+  free_blocks, touch and cache_full_blocks pass over it.
 
 Listeners (optional, for the offload tiers and KV events): on_cached(pairs) hears of hashes
 newly on the device, on_evicted(pairs) of hashes that left it (no device block holds them
@@ -137,6 +139,19 @@ class BlockPool:
     def get_cached_block(self, block_hash: bytes, kv_cache_group_id: int = 0) -> KVCacheBlock | None:
         """The earliest-inserted block of the group still cached under block_hash, or None."""
         return self.cached_block_hash_to_block.get_one_block(hash_with_group_id(block_hash, kv_cache_group_id))
+
+    def get_cached_blocks(self, block_hash: bytes, kv_cache_group_ids: tuple[int, ...]) -> list[KVCacheBlock] | None:
+        """One cached block under block_hash per group of kv_cache_group_ids (in their order),
+        or None unless every one of them has one (vLLM's get_cached_block over group ids:
+        groups of one spec are looked up together)."""
+        get_one_block = self.cached_block_hash_to_block.get_one_block
+        blocks = []
+        for group_id in kv_cache_group_ids:
+            block = get_one_block(hash_with_group_id(block_hash, group_id))
+            if block is None:
+                return None
+            blocks.append(block)
+        return blocks
 
     def cache_full_blocks(self, request, blocks: list[KVCacheBlock], num_cached_blocks: int,
                           num_full_blocks: int, block_size: int, kv_cache_group_id: int = 0) -> None:

@@ -65,23 +65,27 @@ def make_buckets(max_value: int, min_value: int = 1) -> list[int]:
 
 # Attention types a KV-cache group can have, each with its single-type manager
 # (core/single_type_kv_cache_manager.py); a model's cache spec names its type.
-ATTENTION_TYPES = ("full_attention",)
+ATTENTION_TYPES = ("full_attention", "sliding_window")
 
 
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
     """One KV-cache group: layers whose caches have the same spec share one block table
     (vLLM's KVCacheGroupSpec). The host never learns what a block holds, only how a group
-    of its type keeps blocks (a full-attention group keeps every one).
+    of its type keeps blocks: a full-attention group keeps every one; a sliding-window group
+    frees the blocks no later query can see and keeps the null block in their place.
 
     Attributes:
       layer_ids: the model's layers in this group (empty in host-only configs that have no
         model: then the group stands for every layer).
       attention_type: one of ATTENTION_TYPES; picks the group's single-type manager.
+      sliding_window: for "sliding_window", the tokens a query sees, itself included (a
+        positive int); None for every other type.
     """
 
     layer_ids: tuple[int, ...] = ()
     attention_type: str = "full_attention"
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.attention_type not in ATTENTION_TYPES:
@@ -89,6 +93,15 @@ class KVCacheGroupSpec:
         if not isinstance(self.layer_ids, tuple) or not all(
                 isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.layer_ids):
             raise ValueError(f"layer_ids={self.layer_ids!r} must be a tuple of layer indices (ints >= 0)")
+        window = self.sliding_window
+        if self.attention_type == "sliding_window":
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise ValueError(f"sliding_window={window!r} must be a positive int for attention_type="
+                                 f"'sliding_window' (the tokens a query sees, itself included)")
+        elif window is not None:
+            raise ValueError(f"sliding_window={window!r} is only for attention_type='sliding_window'; pass "
+                             f"sliding_window=None for attention_type={self.attention_type!r}, or make the group "
+                             f"a sliding-window one")
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,16 @@
 The scheduler's view of the KV cache (vLLM v1 names and semantics). Per step a waiting
 request goes get_computed_blocks -> allocate_slots(hits) and a running one
 allocate_slots(num_new_tokens); a finished or preempted one goes to free(). Running out of
-blocks is not an error: allocate_slots returns None and changes nothing, and the scheduler
+blocks is not an error: allocate_slots returns None and allocates nothing, and the scheduler
 decides (wait, or preempt someone). Block tables are per KV-cache group (KVCacheBlocks holds
 one list per group): a KVCacheCoordinator keeps one single-type manager per group over the
-one BlockPool. Imports no jax.
+one BlockPool.
+
+A sliding-window group's table starts with null blocks (block id 0) where the window has
+moved on: allocate_slots first frees the blocks before the window of the request's computed
+tokens, then allocates, so the freed ones serve this very step. A hit is the longest prefix
+every group accepts; its skipped blocks are null in the new table, never touched and never
+counted as needed. Imports no jax.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from paged_jax.core.kv_cache_block import KVCacheBlock
 from paged_jax.core.kv_cache_coordinator import KVCacheCoordinator
 from paged_jax.core.prefix_cache_stats import PrefixCacheStats
 from paged_jax.core.request import Request
+from paged_jax.core.single_type_kv_cache_manager import max_blocks_per_request
 
 
 class KVCacheBlocks(NamedTuple):
@@ -47,10 +54,11 @@ class KVCacheManager:
       kv_events: optional KVEventLog: device-tier BlockStored / BlockRemoved.
 
     State: coordinator.managers[g].req_to_blocks[request_id] is the request's block table in
-    group g (append-only while it lives); num_cached_block beside it counts its leading
-    blocks already in the cache. The root of this manager's hash chains is its own
-    (block_hasher.none_hash, from config.hash_seed): two managers share prefixes only when
-    they share the seed.
+    group g (append-only while it lives, except that a sliding-window group replaces the
+    blocks before its window by the null block: its nulls are always a prefix of it);
+    num_cached_block beside it counts its leading blocks already in the cache. The root of
+    this manager's hash chains is its own (block_hasher.none_hash, from config.hash_seed):
+    two managers share prefixes only when they share the seed.
     """
 
     def __init__(self, config: CacheConfig, offload=None, kv_events=None):
@@ -74,6 +82,9 @@ class KVCacheManager:
         if offload is not None and self.num_kv_cache_groups > 1:
             raise ValueError(f"the offload tiers keep one block table per request, but this model has "
                              f"{self.num_kv_cache_groups} KV-cache groups; set offload_host_bytes=0")
+        if offload is not None and self._skipping_managers:
+            raise ValueError("the offload tiers keep every block of a request, but this model's KV-cache group "
+                             "is a sliding-window one (it frees blocks as the window moves); set offload_host_bytes=0")
         hash_fn = get_hash_fn_by_name(config.hash_algo)
         # Attached to every request this manager sees; with caching off it hashes nothing.
         self.block_hasher = BlockHasher(self.block_size, hash_fn, make_none_hash(hash_fn, config.hash_seed),
@@ -109,22 +120,38 @@ class KVCacheManager:
                 f"max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
             )
 
-    def check_request(self, request: Request) -> None:
+    def check_request(self, request: Request, max_num_batched_tokens: int | None = None) -> None:
         """Raises ValueError for a request that could never run, even alone in the pool: a
         prompt past max_model_len, or more blocks than the whole pool has (the scheduler
-        asks before queueing it)."""
+        asks before queueing it).
+
+        Each group counts its own most blocks (max_blocks_per_request): every block of the
+        request for full attention, the window plus one step's tokens for a sliding window.
+
+        Args:
+          request: the request.
+          max_num_batched_tokens: the most tokens a step computes for one request (the
+            scheduler's budget); None: the whole request in one step.
+        """
         self._check_prompt_len(request)
         # The last sampled token is never computed, so its slot is never needed.
         max_slots = min(request.num_prompt_tokens + request.max_tokens - 1, self.max_model_len)
-        need = -(-max_slots // self.block_size) * self.num_kv_cache_groups
+        max_step = max(1, max_slots) if max_num_batched_tokens is None else max_num_batched_tokens
+        needs = [max_blocks_per_request(group, self.block_size, max_slots, max_step)
+                 for group in self.config.kv_cache_groups]
+        need = sum(needs)
         usable = self.config.num_usable_blocks
         if need > usable:
+            if len(needs) == 1:
+                where = ""
+            elif len(set(needs)) == 1:
+                where = f" in each of {len(needs)} KV-cache groups"
+            else:
+                where = f"; per KV-cache group {needs}"
             raise ValueError(
                 f"request {request.request_id!r} may need {need} KV blocks ({max_slots} tokens at block_size="
-                f"{self.block_size}"
-                f"{f' in each of {self.num_kv_cache_groups} KV-cache groups' if self.num_kv_cache_groups > 1 else ''}"
-                f") but the whole pool has {usable}; lower max_tokens, shorten the prompt or give the cache more "
-                f"blocks"
+                f"{self.block_size}{where}) but the whole pool has {usable}; lower max_tokens, shorten the prompt "
+                f"or give the cache more blocks"
             )
 
     def _admit(self, request: Request) -> None:
@@ -149,7 +176,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest cached prefix of request's full blocks that every group accepts; changes
         nothing (the prefix-cache stats count the lookup once the request is admitted:
-        allocate_slots).
+        allocate_slots). Every group's hit has the same length; a sliding-window group's
+        starts with null blocks where the window of the hit tokens does not reach.
 
         Uses at most (num_tokens - 1) // block_size blocks: the last token must be computed
         to produce logits, so a fully cached prompt still recomputes its last block.
@@ -190,9 +218,12 @@ class KVCacheManager:
           new           tokens to compute this step
           lookahead     slots reserved for speculative tokens (allocated, never cached)
 
-        Slots are capped at max_model_len. Hit blocks are touched before new blocks are
-        taken, so the allocation never evicts the request's own hits. Full blocks among
-        computed + new_computed + new are cached.
+        Slots are capped at max_model_len. A sliding-window group first frees the blocks
+        before the window of the computed tokens (they become null; this happens even when
+        the allocation then does not fit, as in vLLM). Hit blocks are touched before new
+        blocks are taken, so the allocation never evicts the request's own hits; hits before
+        the window are skipped (null, not touched). Full blocks among computed + new_computed
+        + new are cached.
 
         Args:
           request: the request (its hasher is attached on first sight).
@@ -202,7 +233,7 @@ class KVCacheManager:
           num_lookahead_tokens: extra slots for speculative decoding (>= 0).
         Returns:
           The newly allocated blocks per group (possibly all empty), or None when they do
-          not fit, in which case nothing changed.
+          not fit, in which case nothing changed but the freeing of blocks before a window.
         """
         if request.block_hasher is not self.block_hasher:
             self._admit(request)
@@ -251,17 +282,14 @@ class KVCacheManager:
         if first_allocation:  # of this request, or of its resumption after preemption
             self._admit(request)
         hits = self._check_computed_blocks(request, first_allocation, new_computed_blocks)
-        coordinator.remove_skipped_blocks(request_id, request.num_computed_tokens)
-        if coordinator.get_num_blocks_to_allocate(request_id, num_tokens_need_slot,
-                                                  hits) > pool.free_block_queue.num_free_blocks:
+        coordinator.remove_skipped_blocks(request_id, num_computed_tokens)
+        if coordinator.get_num_blocks_to_allocate(request_id, num_tokens_need_slot, hits,
+                                                  num_computed_tokens) > pool.free_block_queue.num_free_blocks:
             if first_allocation and self.offload is not None:
                 self.offload.on_allocation_failed(request_id)
             return None
         if first_allocation:
-            for group_hits in hits:
-                if group_hits:
-                    pool.touch(group_hits)
-            coordinator.save_new_computed_blocks(request_id, hits)
+            coordinator.save_new_computed_blocks(request_id, hits, num_computed_tokens)
             lookup = self._lookups.pop(request_id, None)
             if lookup is not None:
                 self.prefix_cache_stats.record(*lookup)
@@ -349,8 +377,7 @@ class KVCacheManager:
     def has_cached_block(self, block_hash: bytes) -> bool:
         """Whether every KV-cache group holds a cached block under this chain hash (what a
         router asks of a replica: would a request with this block hit here)."""
-        pool = self.block_pool
-        return all(pool.get_cached_block(block_hash, g) is not None for g in range(self.num_kv_cache_groups))
+        return self.block_pool.get_cached_blocks(block_hash, tuple(range(self.num_kv_cache_groups))) is not None
 
     def has_requests(self) -> bool:
         """Whether any request holds blocks."""
@@ -379,6 +406,13 @@ class KVCacheManager:
             for request_id, blocks in m.req_to_blocks.items():
                 ids = [b.block_id for b in blocks if not b.is_null]
                 assert len(set(ids)) == len(ids), f"request {request_id!r} holds a block twice: {ids}"
+                num_nulls = len(blocks) - len(ids)
+                assert all(b.is_null for b in blocks[:num_nulls]), (
+                    f"request {request_id!r}: null blocks after real ones in group {m.kv_cache_group_id}: "
+                    f"{[b.block_id for b in blocks]}")
+                assert m.frees_skipped_blocks or num_nulls == 0, (
+                    f"request {request_id!r}: a null block in the table of group {m.kv_cache_group_id}, "
+                    f"which never skips blocks")
                 for i in ids:
                     holders[i] = holders.get(i, 0) + 1
         for i in holders:

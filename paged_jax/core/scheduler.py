@@ -123,7 +123,7 @@ class Scheduler:
         """Queues a request (FCFS). ValueError if it is a duplicate or could never fit."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use; give each request a unique id")
-        self.kv_cache_manager.check_request(request)
+        self.kv_cache_manager.check_request(request, self.max_num_batched_tokens)
         assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0, (
             f"{request!r} was already scheduled elsewhere: a request object is single use"
         )
