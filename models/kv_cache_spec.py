@@ -2,10 +2,12 @@
 
 A model says what its cache holds (`model.kv_cache_specs(dtype)`, one spec per layer, as
 vLLM's AttentionSpec / KVCacheSpec do); the runner allocates the pool from the specs and
-sizes it in bytes per token, and an attention backend is chosen for each spec. Layers with
-equal specs form one KV-cache group (kv_cache_group_specs) and share a block table. The
-block manager never sees a spec: it counts blocks, whatever a block holds, and learns only
-each group's attention type (every spec here is "full_attention").
+sizes it in bytes per block, and an attention backend is chosen for each spec. Layers with
+equal specs form KV-cache groups (kv_cache_group_specs, vLLM's grouping) that share a block
+table. The block manager never sees a spec: it counts blocks, whatever a block holds, and
+learns only each group's attention type ("full_attention", or "sliding_window" with its
+window). A hybrid model's groups share the pool's arrays (kv_cache_tensors): array i holds
+the i-th layer of every group, so a block costs the same bytes in any group.
 
 Layouts (the one place they are written down):
 - FullAttentionSpec (Llama / GQA / MQA): per layer a (k_cache, v_cache) pair, each
@@ -48,6 +50,19 @@ from paged_jax.core.kv_quant import (FORMATS, SCALE_DTYPE, KVQuantFormat, check_
                                      get_kv_quant_format)
 
 
+def check_sliding_window(sliding_window) -> None:
+    """ValueError unless sliding_window is None or an int >= 1."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int (the tokens a query sees, "
+                         "itself included) or None (full attention)")
+
+
+def attention_type_of(sliding_window: int | None) -> str:
+    """"sliding_window" for a windowed spec, else "full_attention"."""
+    return "full_attention" if sliding_window is None else "sliding_window"
+
+
 @dataclasses.dataclass(frozen=True)
 class FullAttentionSpec:
     """Per-head keys and values of every token (Llama-style GQA; MHA and MQA are cases of it).
@@ -55,13 +70,23 @@ class FullAttentionSpec:
     Attributes:
       num_kv_heads, head_dim: the shape one token stores per array.
       dtype: the cache dtype name ("float32", "bfloat16", ...).
+      sliding_window: None (every earlier token is visible), or the number of latest tokens,
+        itself included, a query sees (vLLM's SlidingWindowSpec; Gemma 3's local layers: 512).
+        Its group's manager frees the blocks that slid out of the window.
     """
-
-    attention_type = "full_attention"  # the host's KVCacheGroupSpec.attention_type (not a field)
 
     num_kv_heads: int
     head_dim: int
     dtype: str
+    sliding_window: int | None = None
+
+    def __post_init__(self):
+        check_sliding_window(self.sliding_window)
+
+    @property
+    def attention_type(self) -> str:
+        """The host's KVCacheGroupSpec.attention_type: which manager keeps the group's blocks."""
+        return attention_type_of(self.sliding_window)
 
     @property
     def page_arrays(self) -> dict[str, tuple[int, ...]]:
@@ -122,17 +147,23 @@ class QuantizedAttentionSpec:
       dtype: the model's compute dtype (queries and the attention output stay in it).
       kv_cache_dtype: "fp8_e4m3", "fp8_e5m2" or "int8" (paged_jax/core/kv_quant.py FORMATS).
       scaling: "per_token" (scales beside the pages) or "per_tensor" (one static scale a layer).
+      sliding_window: as FullAttentionSpec's.
     """
-
-    attention_type = "full_attention"  # the host's KVCacheGroupSpec.attention_type (not a field)
 
     num_kv_heads: int
     head_dim: int
     dtype: str
     kv_cache_dtype: str
     scaling: str = "per_token"
+    sliding_window: int | None = None
+
+    @property
+    def attention_type(self) -> str:
+        """The host's KVCacheGroupSpec.attention_type: which manager keeps the group's blocks."""
+        return attention_type_of(self.sliding_window)
 
     def __post_init__(self):
+        check_sliding_window(self.sliding_window)
         if self.kv_cache_dtype not in FORMATS:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} must be one of {tuple(FORMATS)} "
                              "(get_kv_quant_format resolves aliases)")
@@ -177,13 +208,68 @@ class QuantizedAttentionSpec:
 KVCacheSpec = FullAttentionSpec | MLAAttentionSpec | QuantizedAttentionSpec
 
 
+def page_layout(spec):
+    """The spec without its window: two layers whose specs have one page layout can keep their
+    pages in one shared array (a window changes which tokens a layer reads, not what it stores)."""
+    if getattr(spec, "sliding_window", None) is None:
+        return spec
+    return dataclasses.replace(spec, sliding_window=None)
+
+
 def kv_cache_group_specs(specs) -> tuple[KVCacheGroupSpec, ...]:
-    """The model's layers grouped by cache spec (equal specs share a group and so a block
-    table), groups in the order of their first layer (vLLM's KVCacheConfig.kv_cache_groups)."""
-    layers: dict = {}
+    """The model's layers in KV-cache groups (layers of one group share a block table), as
+    vLLM's KVCacheConfig groups them.
+
+    Layers of equal specs go together, kinds in the order of their first layer. A model of one
+    kind is one group (every Llama). A hybrid model whose kinds share a page layout (Gemma 3:
+    15 sliding-window layers, 3 full ones) has each kind cut into groups of the same size
+    (vLLM's _get_kv_cache_groups_uniform_page_size): group_size is the smallest kind's layer
+    count (the largest's, when that is less than 1.25x the smallest), and a kind of n layers
+    makes cdiv(n, group_size) groups, group i taking its layers[i::num_groups]. Equal group
+    sizes are what let the pool keep one array per position in a group, shared by every group
+    (kv_cache_tensors), so a block costs group_size layers' pages whichever group holds it.
+    Gemma 3 270M: five sliding groups [0, 6, 12], [1, 7, 13], .., [4, 10, 16], then the full
+    group [5, 11, 17].
+    """
+    kinds: dict = {}
     for layer_id, spec in enumerate(specs):
-        layers.setdefault(spec, []).append(layer_id)
-    return tuple(KVCacheGroupSpec(tuple(ids), spec.attention_type) for spec, ids in layers.items())
+        kinds.setdefault(spec, []).append(layer_id)
+    layer_lists = list(kinds.values())
+    if len(kinds) > 1 and len({page_layout(spec) for spec in kinds}) == 1:
+        sizes = [len(ids) for ids in layer_lists]
+        group_size = max(sizes) if max(sizes) < min(sizes) * 1.25 else min(sizes)
+        layer_lists = []
+        for ids in kinds.values():
+            num_groups = -(-len(ids) // group_size)
+            layer_lists += [ids[i::num_groups] for i in range(num_groups)]
+    groups = []
+    for ids in layer_lists:
+        spec = specs[ids[0]]
+        window = getattr(spec, "sliding_window", None)
+        extra = {} if window is None else {"sliding_window": window}
+        groups.append(KVCacheGroupSpec(tuple(ids), spec.attention_type, **extra))
+    return tuple(groups)
+
+
+def kv_cache_tensors(groups, specs) -> list[tuple[int, ...]]:
+    """The pool's arrays (vLLM's KVCacheTensor), each as the layers that share it.
+
+    When every group's layers have one page layout (page_layout), array i holds the pages of
+    the i-th layer of every group: a block belongs to one group at a time, so the layers of
+    different groups never write the same page, and a block costs one page per array rather
+    than one per layer. Otherwise (or for a lone group) every layer has an array of its own.
+    `groups` as CacheConfig.kv_cache_groups (the default group of no layer ids: every layer).
+    """
+    layer_groups = [g.layer_ids for g in groups if g.layer_ids]
+    if len(layer_groups) < 2 or len({page_layout(spec) for spec in specs}) != 1:
+        return [(layer_id,) for layer_id in range(len(specs))]
+    size = max(len(ids) for ids in layer_groups)
+    return [tuple(ids[i] for ids in layer_groups if i < len(ids)) for i in range(size)]
+
+
+def kv_cache_bytes_per_block(specs, groups, block_size: int) -> int:
+    """Bytes one block costs in the pool: one page in each of kv_cache_tensors' arrays."""
+    return sum(specs[layers[0]].bytes_per_token for layers in kv_cache_tensors(groups, specs)) * block_size
 
 
 def check_kv_cache_groups(groups, specs) -> None:
@@ -207,14 +293,15 @@ def check_kv_cache_groups(groups, specs) -> None:
 
 
 def attention_spec(num_kv_heads: int, head_dim: int, dtype: str, kv_cache_dtype: str = "auto",
-                   kv_cache_scaling: str = "per_token") -> KVCacheSpec:
+                   kv_cache_scaling: str = "per_token", sliding_window: int | None = None) -> KVCacheSpec:
     """The spec of a GQA layer for a kv_cache_dtype: FullAttentionSpec in `dtype` for "auto",
-    else a QuantizedAttentionSpec (ValueError for an unknown name, listing the choices)."""
+    else a QuantizedAttentionSpec (ValueError for an unknown name, listing the choices);
+    sliding_window: None, or the layer's window (tokens a query sees, itself included)."""
     fmt = get_kv_quant_format(kv_cache_dtype)
     check_kv_cache_scaling(kv_cache_scaling)
     if fmt is None:
-        return FullAttentionSpec(num_kv_heads, head_dim, dtype)
-    return QuantizedAttentionSpec(num_kv_heads, head_dim, dtype, fmt.name, kv_cache_scaling)
+        return FullAttentionSpec(num_kv_heads, head_dim, dtype, sliding_window)
+    return QuantizedAttentionSpec(num_kv_heads, head_dim, dtype, fmt.name, kv_cache_scaling, sliding_window)
 
 
 def kv_cache_bytes_per_token(specs, kv_cache_dtype: str | None = None, kv_cache_scaling: str = "per_token") -> int:

@@ -242,15 +242,17 @@ class EngineConfig:
         from paged_jax.kv_pool import num_blocks_for_budget  # device-side: sizes the pool in bytes
 
         specs = model.kv_cache_specs(self.dtype, self.kv_cache_dtype, self.kv_cache_scaling)
-        num_blocks = num_blocks_for_budget(
-            specs, self.block_size, num_blocks=self.num_blocks,
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
-            max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
-            tensor_parallel_size=self.tensor_parallel_size, device=device)
-        cache = CacheConfig(self.block_size, num_blocks, max_model_len, self.enable_prefix_caching,
-                            self.hash_algo, self.hash_seed, kv_cache_group_specs(specs))
+        groups = kv_cache_group_specs(specs)
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
                                     self.long_prefill_token_threshold, preemption_mode=self.preemption_mode)
+        num_blocks = num_blocks_for_budget(
+            specs, self.block_size, groups=groups, num_blocks=self.num_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes, gpu_memory_utilization=self.gpu_memory_utilization,
+            max_num_seqs=self.max_num_seqs, max_model_len=max_model_len,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            tensor_parallel_size=self.tensor_parallel_size, device=device)
+        cache = CacheConfig(self.block_size, num_blocks, max_model_len, self.enable_prefix_caching,
+                            self.hash_algo, self.hash_seed, groups)
         return ResolvedConfig(self, cache, scheduler)
 
 

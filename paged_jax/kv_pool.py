@@ -1,9 +1,12 @@
 """KVPool: the device side of the KV cache (every layer's pages, their sizing and placement).
 
 The host's block manager hands out block ids; the pool holds what a block id means on the
-device: one cache per layer, laid out as the layer's spec says (models/kv_cache_spec.py),
-each [num_blocks, block_size, ...] and updated in place by every step (the runner donates
-them). It knows the KV-cache groups (which layers read which block table) and so which
+device: its caches (vLLM's KVCacheTensors), each laid out as its layers' spec says
+(models/kv_cache_spec.py), [num_blocks, block_size, ...], and updated in place by every step
+(the runner donates them). A model of one KV-cache group has one cache per layer; a hybrid
+model's groups share them (kv_cache_tensors: cache i holds the pages of the i-th layer of
+every group, and a block belongs to one group at a time), so a block costs the same bytes in
+any group. It knows the KV-cache groups (which layers read which block table) and so which
 spec, and attention backend, each group has; it is sized from a byte budget
 (num_blocks_for_budget), split over a tensor-parallel mesh, copies pages to and from the
 host for the offload tiers, and carries the per-layer static inputs of a quantized pool
@@ -20,9 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.kv_cache_spec import QuantizedAttentionSpec, check_kv_cache_groups, init_kv_caches, kv_cache_bytes_per_token
+from models.kv_cache_spec import (QuantizedAttentionSpec, check_kv_cache_groups, init_kv_caches,
+                                  kv_cache_bytes_per_block, kv_cache_group_specs, kv_cache_tensors)
 from paged_jax.compile_manager import track_background_work
 from paged_jax.core.config import CacheConfig
+from paged_jax.core.single_type_kv_cache_manager import max_blocks_per_request
 from paged_jax.core.kv_quant import check_key_offsets, check_scale
 from paged_jax.sharding import (SHARDED_CACHE_SPECS, TP_AXIS, cache_shardings, init_sharded_kv_caches,
                                 kv_head_replicas, sharded_cache_spec)
@@ -42,13 +47,20 @@ CPU_KV_CACHE_BYTES = 4 << 30
 MAX_PAGE_COPY = 256
 
 
-def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_memory_bytes=None,
+def num_blocks_for_budget(specs, block_size: int, *, groups=None, num_blocks=None, kv_cache_memory_bytes=None,
                           gpu_memory_utilization=0.9, max_num_seqs: int, max_model_len: int,
-                          tensor_parallel_size: int = 1, device=None) -> int:
+                          max_num_batched_tokens: int | None = None, tensor_parallel_size: int = 1,
+                          device=None) -> int:
     """How many KV blocks (null block included) the pool gets.
 
     Args:
-      specs: the model's per-layer cache specs (their bytes per token size a block).
+      specs: the model's per-layer cache specs (with the groups, they size a block:
+        kv_cache_bytes_per_block).
+      groups: the KV-cache groups (kv_cache_group_specs(specs) when None); a full-length
+        sequence needs each group's own number of blocks (a sliding-window group's stays
+        bounded by its window: max_blocks_per_request).
+      max_num_batched_tokens: the largest step's tokens (a sliding group holds its window
+        plus one step's new tokens); None: max_model_len.
       tensor_parallel_size: devices the pool is split over: a block costs each of them the
         bytes of its share of the (replicated up to tp) KV heads, and kv_cache_memory_bytes
         and the memory statistics are per device.
@@ -61,9 +73,11 @@ def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_m
     unless asked for.
     """
     tp = tensor_parallel_size
+    if groups is None:
+        groups = kv_cache_group_specs(specs)
     if tp > 1:
         specs = [sharded_cache_spec(spec, tp) for spec in specs]
-    per_block = kv_cache_bytes_per_token(specs) * block_size // tp
+    per_block = kv_cache_bytes_per_block(specs, groups, block_size) // tp
     if num_blocks is not None:
         return num_blocks
     if kv_cache_memory_bytes is not None:
@@ -76,7 +90,8 @@ def num_blocks_for_budget(specs, block_size: int, *, num_blocks=None, kv_cache_m
     if "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
         return max(2, min(int(free * gpu_memory_utilization) // per_block, MAX_AUTO_BLOCKS))
-    per_seq = -(-max_model_len // block_size)
+    per_seq = sum(max_blocks_per_request(group, block_size, max_model_len, max_num_batched_tokens or max_model_len)
+                  for group in groups)
     return min(max_num_seqs * per_seq, max(per_seq, CPU_KV_CACHE_BYTES // per_block)) + 1
 
 
@@ -143,10 +158,14 @@ class KVPool:
       specs: per layer, as held (a spec of the tp-local heads on a mesh).
       layer_kv_cache_group: layer -> its group (the block table and slot mapping it reads).
       group_specs: the spec of each group's layers.
+      tensor_layers: cache -> the layers that keep their pages in it (kv_cache_tensors).
+      layer_tensor: layer -> the index of its cache in kv_caches.
       layer_inputs: backend keyword -> array with a leading layer axis (the static inputs).
-      abstract_caches: every layer's cache shapes (and shardings), known without the pool.
-    Every layer keeps a page for every block id (a block of group g is written by g's layers
-    only), so a pool of one group wastes nothing.
+      abstract_caches: every cache's shapes (and shardings), known without the pool.
+    Every cache keeps a page for every block id; the page of block b in cache i is written
+    only by the layer of cache i in b's group. One group: one cache per layer, nothing
+    wasted. A hybrid model: its groups have equal layer counts (kv_cache_group_specs), so a
+    block wastes nothing in whichever group holds it.
     """
 
     def __init__(self, specs, cache_config: CacheConfig, mesh=None, *, kv_scales=None, kv_key_offsets=None):
@@ -170,15 +189,23 @@ class KVPool:
             specs = tuple(sharded_cache_spec(spec, tp) for spec in specs)
         self.specs = tuple(specs)
         self.group_specs = [self.specs[self.layer_kv_cache_group.index(g)] for g in range(len(groups))]
+        self.tensor_layers = kv_cache_tensors(groups, self.specs)
+        self.layer_tensor = [0] * len(specs)
+        for tensor_id, layer_ids in enumerate(self.tensor_layers):
+            for layer_id in layer_ids:
+                self.layer_tensor[layer_id] = tensor_id
+        # Each cache is allocated (and sharded) as its first layer's spec says: its layers'
+        # specs share one page layout (a window is not part of it).
+        self.tensor_specs = tuple(self.specs[layer_ids[0]] for layer_ids in self.tensor_layers)
         layer_inputs = (("kv_scales", static_kv_scales(specs[0], kv_scales, len(specs))),
                         ("key_offset", static_key_offsets(specs[0], kv_key_offsets, len(specs))))
         self.layer_inputs = {name: value for name, value in layer_inputs if value is not None}
         abstract = jax.eval_shape(lambda: [spec.allocate(self.num_blocks, cache_config.block_size)
-                                           for spec in self.specs])
+                                           for spec in self.tensor_specs])
         if mesh is not None:  # each leaf as init_sharded_kv_caches places it
             abstract = [jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
                                      tuple(cache), cache_shardings(spec, mesh))
-                        for cache, spec in zip(abstract, self.specs)]
+                        for cache, spec in zip(abstract, self.tensor_specs)]
         self.abstract_caches = abstract
         self.kv_cache_bytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(abstract))
         # What one device holds (all of it without a mesh).
@@ -201,16 +228,16 @@ class KVPool:
         try:
             block_size = self.cache_config.block_size
             if self.mesh is None:
-                caches = init_kv_caches(self.specs, self.num_blocks, block_size)
+                caches = init_kv_caches(self.tensor_specs, self.num_blocks, block_size)
             else:
-                caches = init_sharded_kv_caches(self.specs, self.num_blocks, block_size, self.mesh)
+                caches = init_sharded_kv_caches(self.tensor_specs, self.num_blocks, block_size, self.mesh)
             self._kv_caches_ready.set_result(caches)
         except BaseException as error:  # raised where the pool is first used
             self._kv_caches_ready.set_exception(error)
 
     @property
     def kv_caches(self) -> list:
-        """One cache per layer (models/kv_cache_spec.py), updated in place by every step."""
+        """The caches (one per layer unless groups share them: layer_tensor), updated in place by every step."""
         if self._kv_caches is None:
             self._kv_caches = self._kv_caches_ready.result()
         return self._kv_caches

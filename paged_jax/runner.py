@@ -132,10 +132,15 @@ class ModelRunner:
         # The layers' weights stay one buffer per layer (no stacked copy). Groups of layers
         # with the same graphs share one compiled program; a model whose layers differ
         # (DeepSeek-V2's dense first layers before its MoE ones) gets one per kind of group.
-        # A program's kind is its layers' graphs and KV-cache groups (which table each reads).
+        # A program's kind is its layers' graphs, KV-cache groups (which table each reads) and
+        # caches (which of the program's caches each writes).
         graphdefs = [nnx.graphdef(layer) for layer in model.layers]
-        kinds = [(tuple(graphdefs[i : i + k]), tuple(pool.layer_kv_cache_group[i : i + k]))
-                 for i in range(0, num_layers, k)]
+        # The caches a program takes (donated), in order of first use by its layers: one per
+        # layer, or fewer where KV-cache groups share them (KVPool.layer_tensor).
+        self._program_tensors = [tuple(dict.fromkeys(pool.layer_tensor[i : i + k])) for i in range(0, num_layers, k)]
+        kinds = [(tuple(graphdefs[i : i + k]), tuple(pool.layer_kv_cache_group[i : i + k]),
+                  tuple(tensors.index(t) for t in pool.layer_tensor[i : i + k]))
+                 for i, tensors in zip(range(0, num_layers, k), self._program_tensors)]
         self._group_graphdefs = list(dict.fromkeys(kinds))  # distinct kinds of group, first seen first
         self._group_kind = [self._group_graphdefs.index(kind) for kind in kinds]
         # Each group's layer inputs (a quantized pool's static inputs), sliced once, not per step.
@@ -162,7 +167,8 @@ class ModelRunner:
 
     @property
     def kv_caches(self) -> list:
-        """The pool's caches, one per layer (what every step donates and gets back)."""
+        """The pool's caches, one per layer unless KV-cache groups share them
+        (KVPool.layer_tensor): what every step donates and gets back."""
         return self.pool.kv_caches
 
     @property
@@ -218,19 +224,20 @@ class ModelRunner:
 
     def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata: StepAttentionMetadata, kind=None,
                   layer_inputs=None):
-        """layers_per_program consecutive layers: their params and caches are lists; kind
-        (static) is their (graphs, KV-cache groups), by default those of the first program;
-        each layer reads its group's view of attn_metadata and calls its group's backend;
-        layer_inputs, a dict of arrays with a leading layer axis (self.layer_inputs sliced),
-        what the attention backend binds per layer."""
-        new_caches = []
-        graphdefs, kv_groups = kind if kind is not None else self._group_graphdefs[0]
+        """layers_per_program consecutive layers: their params are a list, kv_caches the caches
+        they keep their pages in (one per layer, or fewer when groups share them); kind
+        (static) is their (graphs, KV-cache groups, cache of each), by default those of the
+        first program; each layer reads its group's view of attn_metadata, calls its group's
+        backend and writes its cache (a shared cache passes from layer to layer, updated in
+        place); layer_inputs, a dict of arrays with a leading layer axis (self.layer_inputs
+        sliced), what the attention backend binds per layer."""
+        new_caches = list(kv_caches)
+        graphdefs, kv_groups, cache_ids = kind if kind is not None else self._group_graphdefs[0]
         views = {g: attn_metadata.for_group(g) for g in set(kv_groups)}
-        for i, (graphdef, group, params, kv_cache) in enumerate(zip(graphdefs, kv_groups, layer_params, kv_caches)):
+        for i, (graphdef, group, params, c) in enumerate(zip(graphdefs, kv_groups, layer_params, cache_ids)):
             layer = nnx.merge(graphdef, params)
             attention = bind_layer(self.attention_backends[group], layer_inputs, i)
-            x, kv_cache = layer(x, positions, kv_cache, views[group], attention)
-            new_caches.append(kv_cache)
+            x, new_caches[c] = layer(x, positions, new_caches[c], views[group], attention)
         return x, new_caches
 
     def _head_fn(self, head_params, x, inputs: StepInputs):
@@ -271,14 +278,16 @@ class ModelRunner:
         layer_inputs = abstract(self._group_layer_inputs[0])
         layers = []  # one program per kind of layer group
         for index, kind in enumerate(self._group_graphdefs):
-            first = self._group_kind.index(index) * k
-            caches_out = None if self.mesh is None else [cache_shardings(spec, self.mesh)
-                                                         for spec in self.pool.specs[first : first + k]]
+            program_id = self._group_kind.index(index)
+            tensors = self._program_tensors[program_id]
+            caches_out = None if self.mesh is None else [cache_shardings(self.pool.tensor_specs[t], self.mesh)
+                                                         for t in tensors]
             program = self._jit(functools.partial(layer_fn, kind=kind), (rep, caches_out),
                                 donate_argnums=(2,))
             # Shapes only: the warm-up thread must not read the live caches the steps donate.
-            layers.append(program.lower(abstract(self._layer_leaves[first // k]), x,
-                                        self.pool.abstract_caches[first : first + k], packed, layer_inputs).compile())
+            layers.append(program.lower(abstract(self._layer_leaves[program_id]), x,
+                                        [self.pool.abstract_caches[t] for t in tensors], packed,
+                                        layer_inputs).compile())
         head = self._jit(head_fn, (rep, rep)).lower(head_params, x, packed).compile()
         return embed, tuple(layers), head
 
@@ -315,11 +324,13 @@ class ModelRunner:
                 multihost_utils.assert_equal(step_fingerprint(packed), "processes scheduled different steps")
             packed = put_replicated(packed, self.mesh)
         x = embed(self._head_leaves, packed)
-        kv_caches, k = self.pool.kv_caches, self.layers_per_program
-        for i in range(0, len(kv_caches), k):
-            layer = layers[self._group_kind[i // k]]  # the program of this group's kind of layers
-            x, kv_caches[i : i + k] = layer(self._layer_leaves[i // k], x, kv_caches[i : i + k], packed,
-                                            self._group_layer_inputs[i // k])
+        kv_caches = self.pool.kv_caches
+        for p, tensors in enumerate(self._program_tensors):
+            layer = layers[self._group_kind[p]]  # the program of this group's kind of layers
+            x, caches = layer(self._layer_leaves[p], x, [kv_caches[t] for t in tensors], packed,
+                              self._group_layer_inputs[p])
+            for t, cache in zip(tensors, caches):
+                kv_caches[t] = cache
         token_ids, logprobs = head(self._head_leaves, x, packed)
         self.num_steps += 1
         if copies is not None and copies.persist_block_ids.size:
