@@ -8,7 +8,8 @@ layer reads its own group's tables and slots) against the dense greedy reference
 import numpy as np
 import pytest
 
-from models.kv_cache_spec import check_kv_cache_groups, kv_cache_group_specs
+from models.kv_cache_spec import (FullAttentionSpec, check_kv_cache_groups, kv_cache_bytes_per_block, kv_cache_group_specs,
+                                  kv_cache_tensors)
 from paged_jax.core.batch import StepInputsBuilder
 from paged_jax.core.config import CacheConfig, KVCacheGroupSpec, SchedulerConfig
 from paged_jax.core.kv_cache_manager import KVCacheManager
@@ -124,3 +125,40 @@ def test_two_groups_generate_what_the_dense_model_does():
     assert kv.prefix_cache_stats.hits > 0, "no prefix hit in either group"
     assert kv.get_num_free_blocks() == cache.num_usable_blocks
     np.testing.assert_array_equal(runner.pool.layer_kv_cache_group, [0, 1])
+    # Both layers keep their pages in one shared array: a block belongs to one group at a time.
+    assert runner.pool.tensor_layers == [(0, 1)] and len(runner.kv_caches) == 1
+
+
+def gemma3_like_specs(window=512):
+    """Gemma 3 270M's layer pattern: five sliding-window layers, then a full one, three times."""
+    return [FullAttentionSpec(1, 256, "bfloat16", None if (i + 1) % 6 == 0 else window) for i in range(18)]
+
+
+def test_hybrid_layers_group_as_vllm_groups_them():
+    """vLLM's uniform-page grouping: group size = the smaller kind's 3 layers; the 15 sliding
+    layers make five groups of layers[i::5], the full layers one, in order of first layer."""
+    specs = gemma3_like_specs()
+    groups = kv_cache_group_specs(specs)
+    assert [g.layer_ids for g in groups] == [(0, 6, 12), (1, 7, 13), (2, 8, 14), (3, 9, 15), (4, 10, 16),
+                                             (5, 11, 17)]
+    assert [(g.attention_type, g.sliding_window) for g in groups] == [("sliding_window", 512)] * 5 + [
+        ("full_attention", None)]
+    check_kv_cache_groups(groups, specs)
+    # Array i holds the i-th layer of every group: each six consecutive layers share one array.
+    assert kv_cache_tensors(groups, specs) == [tuple(range(0, 6)), tuple(range(6, 12)), tuple(range(12, 18))]
+    # A block costs 3 layers' pages (1 head x 256, K and V, bf16), not 18.
+    assert kv_cache_bytes_per_block(specs, groups, BS) == 3 * 2 * 256 * 2 * BS
+    # One kind of layer: one group, one array per layer, as every Llama.
+    full = [FullAttentionSpec(1, 256, "bfloat16")] * 4
+    assert kv_cache_group_specs(full) == (KVCacheGroupSpec((0, 1, 2, 3)),)
+    assert kv_cache_tensors(kv_cache_group_specs(full), full) == [(0,), (1,), (2,), (3,)]
+    # Kinds of other page layouts keep their own arrays (nothing to share a page with).
+    mixed = [FullAttentionSpec(1, 256, "bfloat16", 8), FullAttentionSpec(2, 64, "bfloat16")]
+    assert kv_cache_tensors(kv_cache_group_specs(mixed), mixed) == [(0,), (1,)]
+
+
+def test_a_sliding_window_must_be_positive():
+    with pytest.raises(ValueError, match="sliding_window=0 must be a positive int"):
+        FullAttentionSpec(1, 16, "float32", 0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        KVCacheGroupSpec((0,), "sliding_window", sliding_window=-4)
