@@ -131,22 +131,25 @@ class ModelRunner:
         self.layers_per_program = k = layers_per_program
         # The layers' weights stay one buffer per layer (no stacked copy). Groups of layers
         # with the same graphs share one compiled program; a model whose layers differ
-        # (DeepSeek-V2's dense first layers before its MoE ones) gets one per kind of group.
-        # A program's kind is its layers' graphs, KV-cache groups (which table each reads) and
-        # caches (which of the program's caches each writes).
+        # (DeepSeek-V2's dense first layers before its MoE ones; a GGUF whose layers mix block
+        # formats, as Q4_K_M files do) gets one per kind of group. A program's kind is its
+        # layers' graphs, weight shapes and dtypes, KV-cache groups (which table each reads)
+        # and caches (which of the program's caches each writes).
         graphdefs = [nnx.graphdef(layer) for layer in model.layers]
+        self.layer_params = [nnx.state(layer) for layer in model.layers]
+        weight_types = [tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(params))
+                        for params in self.layer_params]
         # The caches a program takes (donated), in order of first use by its layers: one per
         # layer, or fewer where KV-cache groups share them (KVPool.layer_tensor).
         self._program_tensors = [tuple(dict.fromkeys(pool.layer_tensor[i : i + k])) for i in range(0, num_layers, k)]
         kinds = [(tuple(graphdefs[i : i + k]), tuple(pool.layer_kv_cache_group[i : i + k]),
-                  tuple(tensors.index(t) for t in pool.layer_tensor[i : i + k]))
+                  tuple(tensors.index(t) for t in pool.layer_tensor[i : i + k]), tuple(weight_types[i : i + k]))
                  for i, tensors in zip(range(0, num_layers, k), self._program_tensors)]
         self._group_graphdefs = list(dict.fromkeys(kinds))  # distinct kinds of group, first seen first
         self._group_kind = [self._group_graphdefs.index(kind) for kind in kinds]
         # Each group's layer inputs (a quantized pool's static inputs), sliced once, not per step.
         self._group_layer_inputs = [{name: a[i : i + k] for name, a in pool.layer_inputs.items()}
                                     for i in range(0, num_layers, k)]
-        self.layer_params = [nnx.state(layer) for layer in model.layers]
         self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
         if mesh is not None:
             # New arrays on the mesh (no-ops for weights a loader already placed there); the
@@ -226,13 +229,13 @@ class ModelRunner:
                   layer_inputs=None):
         """layers_per_program consecutive layers: their params are a list, kv_caches the caches
         they keep their pages in (one per layer, or fewer when groups share them); kind
-        (static) is their (graphs, KV-cache groups, cache of each), by default those of the
-        first program; each layer reads its group's view of attn_metadata, calls its group's
-        backend and writes its cache (a shared cache passes from layer to layer, updated in
+        (static) is their (graphs, KV-cache groups, cache of each, weight types), by default
+        those of the first program; each layer reads its group's view of attn_metadata, calls
+        its group's backend and writes its cache (a shared cache passes from layer to layer, updated in
         place); layer_inputs, a dict of arrays with a leading layer axis (self.layer_inputs
         sliced), what the attention backend binds per layer."""
         new_caches = list(kv_caches)
-        graphdefs, kv_groups, cache_ids = kind if kind is not None else self._group_graphdefs[0]
+        graphdefs, kv_groups, cache_ids, _ = kind if kind is not None else self._group_graphdefs[0]
         views = {g: attn_metadata.for_group(g) for g in set(kv_groups)}
         for i, (graphdef, group, params, c) in enumerate(zip(graphdefs, kv_groups, layer_params, cache_ids)):
             layer = nnx.merge(graphdef, params)
