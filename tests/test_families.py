@@ -32,6 +32,7 @@ torch = pytest.importorskip("torch", reason="HF parity needs torch (pip install 
 transformers = pytest.importorskip("transformers", reason="HF parity needs transformers (pip install -e '.[hf]')")
 
 from engine_reference import assert_no_leak  # noqa: E402
+from hf_reference import assert_close_rel, hf_greedy, hf_logits  # noqa: E402
 from test_hf_parity import paged_logits  # noqa: E402
 from models import phi3, qwen2  # noqa: E402
 from models.mistral import MistralConfig  # noqa: E402
@@ -249,7 +250,6 @@ import os, runpy, sys
 script = sys.argv[1]
 sys.path.insert(0, os.path.dirname(script))
 import conversion.base as base
-from hf_reference import assert_close_rel, hf_greedy, hf_logits  # noqa: E402
 sentencepiece_vocab = base.TextModel._create_vocab_sentencepiece
 def create_vocab_sentencepiece(self):
     if not (self.dir_model / "tokenizer.model").is_file():
