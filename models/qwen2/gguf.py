@@ -33,8 +33,12 @@ LLAMA_BLOCKS: Mapping[str, str] = {f"{g}.weight": f"{hf}.weight" for g, hf in LL
 QWEN2_BLOCKS: Mapping[str, str] = {**LLAMA_BLOCKS, **{f"attn_{p}.bias": f"self_attn.{p}_proj.bias" for p in "qkv"}}
 
 
-def gguf_config_fields(reader, name: str, arch: str, *, dtype=None, param_dtype=None) -> dict:
+def gguf_config_fields(reader, name: str, arch: str, *, dtype=None, param_dtype=None,
+                       sliding_window_ok: bool = False) -> dict:
     """The LlamaConfig fields an `arch` GGUF's metadata (`<arch>.*`, llama's meanings) gives.
+
+    sliding_window_ok: the family reads `<arch>.attention.sliding_window` itself (Gemma 3); else
+    a window shorter than the context is refused.
 
     Raises:
       ValueError naming the key for missing metadata, RoPE scaling, partial rotary dims or an
@@ -55,7 +59,7 @@ def gguf_config_fields(reader, name: str, arch: str, *, dtype=None, param_dtype=
         raise ValueError(f"{name}: {key('rope.scaling.type')}={scaling!r} is not supported; supported: ['none']")
     window = get_metadata(reader, key("attention.sliding_window"))
     context = int(get_metadata(reader, key("context_length"), 2048))
-    if window and int(window) < context:
+    if window and int(window) < context and not sliding_window_ok:
         raise ValueError(f"{name}: {key('attention.sliding_window')}={window} is shorter than the context "
                          f"({context}): sliding-window attention is not supported yet")
     tensors = {t.name: t for t in reader.tensors}

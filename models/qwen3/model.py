@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import ClassVar
 
 from flax import nnx
 from jax.sharding import PartitionSpec as P
@@ -25,13 +26,15 @@ PARAM_PARTITION_RULES: Mapping[str, P] = MappingProxyType(dict(LLAMA_RULES))
 
 
 class Qwen3Attention(Attention):
-    """Grouped-query attention whose q and k heads are RMS-normed before RoPE."""
+    """Grouped-query attention whose q and k heads are RMS-normed before RoPE (norm_class: Gemma 3's own)."""
+
+    norm_class: ClassVar[type[RMSNorm]] = RMSNorm
 
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
         super().__init__(config, rngs=rngs)
         c = config
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)  # [H]
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)  # [H]
+        self.q_norm = self.norm_class(c.head_dim, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)  # [H]
+        self.k_norm = self.norm_class(c.head_dim, c.rms_norm_eps, param_dtype=c.param_dtype, dtype=c.dtype)  # [H]
 
     def _project(self, x):
         q, k, v = super()._project(x)  # [..., N, H], [..., K, H], [..., K, H]
