@@ -249,6 +249,11 @@ def chat(args, params, console: Console) -> int:
     with _progress(console) as progress:
         llm = _make_llm(args, progress)  # background warm-up: a person waits for one bucket, not all
     engine = llm.engine
+    if chat_template is None and engine.tokenizer.chat_template is None:
+        # Refused before the first turn is typed: a base model (gemma-3-270m) has no chat format.
+        llm.shutdown()
+        raise ValueError(f"--model {args.model} has no chat template (a base model, not an instruction-tuned "
+                         "one): continue text with `generate`, or give one with --chat-template FILE")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     for turn in itertools.count():

@@ -26,6 +26,14 @@ of 8 heads x 128) vs a DeepSeek-V2-style MLA (latent 512 + rope key 64); then, i
 KV budget (--mla-budget-gib), how many full-length sequences fit and how many of the same
 workload's requests the paged scheduler runs at once. Target: the seed's 3-4x smaller cache.
 
+Sliding-window rows (issue 27): Gemma 3 270M's cache (18 layers of 1 KV head x 256 in
+bf16, 15 of them with a 512-token window), in a fixed budget (--window-budget-gib), with
+its KV-cache groups (five sliding groups that free what slid out of the window, one full
+group, sharing the pool's arrays) vs the same layers all full attention: how many sequences
+of 4k, 8k and 32k tokens the real KVCacheManager holds at once (each prefilled in chunks of
+--max-num-batched-tokens, admitted until an allocation fails), and the KV bytes each token
+costs there.
+
 KV-cache dtype rows (issue 14): the same KV byte budget (--kv-budget-tokens tokens of
 --kv-model in bfloat16) buys budget // kv_cache_bytes_per_token(config, kv_cache_dtype) slots
 for each kv_cache_dtype (scales included), and the paged run is repeated with that many:
@@ -187,6 +195,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mla-budget-gib", type=float, default=8.0, help="KV budget of the MLA vs GQA-8 rows")
+    parser.add_argument("--window-budget-gib", type=float, default=4.0, help="KV budget of the sliding-window rows")
     parser.add_argument("--kv-model", default="llama-3.1-8b", help="preset whose bytes per token size the "
                         "kv_cache_dtype rows")
     parser.add_argument("--out", default=None, help="default: results/bench_memory[_quick].json")
@@ -243,8 +252,64 @@ def main(argv=None) -> int:
                 f"{result['mla_vs_gqa8']['hidden_size']}, bf16, paged block {args.block_size}",
                 ["metric", "GQA-8 (Llama-3.1-8B)", "MLA (DeepSeek-V2 attention)", "MLA / GQA-8"], rows)
     result["kv_cache_dtypes"] = kv_dtype_rows(prompts, output_lens, args, common)
+    result["sliding_window"] = sliding_window_rows(args)
     write_json(args.out, result)
     return 0
+
+
+def sequences_that_fit(specs, budget_bytes: int, context: int, *, block_size: int, chunk: int) -> dict:
+    """Decoding sequences of `context` tokens a pool of budget_bytes holds at once: each
+    prefilled in chunks through the KVCacheManager (a sliding group frees its old blocks as it
+    goes) and then decoding, admitted until one allocation fails."""
+    from models.kv_cache_spec import kv_cache_bytes_per_block, kv_cache_group_specs
+
+    groups = kv_cache_group_specs(specs)
+    per_block = kv_cache_bytes_per_block(specs, groups, block_size)
+    num_blocks = budget_bytes // per_block + 1
+    kv = KVCacheManager(CacheConfig(block_size, num_blocks, context + 1, enable_prefix_caching=False,
+                                    kv_cache_groups=groups))
+    tokens = list(range(context))
+    num_seqs = 0
+    while True:
+        request = Request(f"r{num_seqs}", tokens, SamplingParams(max_tokens=2))
+        # The prompt in chunks, then one decode step: a decoding sequence holds its window
+        # (the step frees what the last chunk left behind it).
+        while request.num_computed_tokens <= context:
+            step = min(chunk, context - request.num_computed_tokens) or 1
+            if kv.allocate_slots(request, step) is None:
+                kv.free(request)
+                used = num_blocks - 1 - kv.get_num_free_blocks()
+                kv.check_invariants()
+                return {"num_groups": len(groups), "bytes_per_block": per_block, "num_blocks": num_blocks,
+                        "num_seqs": num_seqs, "blocks_per_seq": used / max(num_seqs, 1),
+                        "kv_bytes_per_token": used * per_block / max(num_seqs * context, 1)}
+            request.num_computed_tokens += step
+        num_seqs += 1
+
+
+def sliding_window_rows(args) -> dict:
+    """Gemma 3 270M's KV cache with sliding-window groups vs every layer full, per context."""
+    import dataclasses
+
+    from models.gemma3 import Gemma3Config
+    from models.kv_cache_spec import attention_spec
+
+    c = Gemma3Config.from_preset("gemma-3-270m")
+    hybrid = [attention_spec(c.num_kv_heads, c.head_dim, "bfloat16", sliding_window=w) for w in c.layer_windows]
+    full = [dataclasses.replace(spec, sliding_window=None) for spec in hybrid]
+    budget = int(args.window_budget_gib * 2**30)
+    result, rows = {"budget_bytes": budget, "contexts": {}}, []
+    for context in (4096, 8192, 32768):
+        common = dict(block_size=args.block_size, chunk=args.max_num_batched_tokens)
+        h, f = sequences_that_fit(hybrid, budget, context, **common), sequences_that_fit(full, budget, context, **common)
+        result["contexts"][context] = {"sliding_groups": h, "all_full": f, "ratio": h["num_seqs"] / max(f["num_seqs"], 1)}
+        rows.append([f"{context // 1024}k", f"{h['kv_bytes_per_token']:.0f}", f"{f['kv_bytes_per_token']:.0f}",
+                     h["num_seqs"], f["num_seqs"], f"{h['num_seqs'] / max(f['num_seqs'], 1):.1f}x"])
+    print_table(f"Gemma 3 270M KV cache (bf16, block {args.block_size}) in {args.window_budget_gib:g} GiB: "
+                f"{result['contexts'][4096]['sliding_groups']['num_groups']} KV-cache groups vs every layer full",
+                ["context", "bytes/token (groups)", "bytes/token (all full)", "sequences (groups)",
+                 "sequences (all full)", "groups / full"], rows)
+    return result
 
 
 def kv_dtype_rows(prompts, output_lens, args, common) -> dict:
