@@ -11,6 +11,7 @@ import dataclasses
 from typing import ClassVar
 
 from models.config import Llama3RopeScaling, canonical_dtype, check_positive_ints, normalize_token_ids_and_dtypes
+from models.kv_cache_spec import check_sliding_window
 
 __all__ = ["PRESETS", "Llama3RopeScaling", "LlamaConfig"]
 
@@ -21,6 +22,8 @@ class LlamaConfig:
 
     param_dtype is how weights are stored; dtype is the compute dtype of activations and the
     default KV-cache dtype. Norms, softmax and logits accumulate in float32 whatever dtype is.
+    sliding_window: the tokens (the query's own included) every layer's attention sees, for a
+    family whose layers all slide (Mistral); None, every Llama: every earlier token.
     """
 
     vocab_size: int
@@ -39,6 +42,7 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...] = ()
     param_dtype: str = "float32"
     dtype: str = "float32"
+    sliding_window: int | None = None
 
     # The config.json model_type and architectures this class reads and writes; a family's
     # subclass names its own (check_architecture refuses every other).
@@ -46,6 +50,7 @@ class LlamaConfig:
     hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
 
     def __post_init__(self):
+        check_sliding_window(self.sliding_window)
         check_positive_ints(self, ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                                    "num_kv_heads", "head_dim", "max_position_embeddings"))
         if self.num_heads % self.num_kv_heads:

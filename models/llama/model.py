@@ -59,8 +59,9 @@ PARAM_PARTITION_RULES: Mapping[str, P] = MappingProxyType({
 class Attention(nnx.Module):
     """Grouped-query attention: N query heads share K kv heads in groups of G = N / K.
 
-    sliding_window (None here: every earlier key) is how many latest keys, the query's own
-    included, a query sees; a family with windowed layers sets it per layer (Gemma 3), and the
+    sliding_window (config.sliding_window: None for Llama, every earlier key) is how many latest
+    keys, the query's own included, a query sees; a family with windowed layers sets it per
+    layer (Gemma 3), and the
     model's kv_cache_specs carry it to the paged backends. sm_scale is the softmax scale.
     """
 
@@ -70,6 +71,7 @@ class Attention(nnx.Module):
         c = config
         d, n, k, h = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         self.config = c
+        self.sliding_window = c.sliding_window
         self.q_proj = normal_param(rngs, (d, n, h), d, c.param_dtype)  # [D, N, H]
         self.k_proj = normal_param(rngs, (d, k, h), d, c.param_dtype)  # [D, K, H]
         self.v_proj = normal_param(rngs, (d, k, h), d, c.param_dtype)  # [D, K, H]

@@ -1,8 +1,8 @@
-"""The Mistral family (MistralForCausalLM) without sliding windows: Llama's model, Mistral's config reader.
+"""The Mistral family (MistralForCausalLM): Llama's model with every layer's sliding window, Mistral's config reader.
 
 One place for everything Mistral-specific; models/registry.py holds its row.
-- config.py: MistralConfig (LlamaConfig's fields; presets, a config.json reader that refuses
-  sliding windows until sliding-window attention lands);
+- config.py: MistralConfig (LlamaConfig's fields, sliding_window among them; presets, the
+  config.json reader);
 - hf.py: the HF loader (Llama's tensor map, into models.llama.LlamaForCausalLM).
 The model, its tensor-parallel rules and the GGUF map (llama.cpp writes Mistral as "llama")
 are the Llama family's.

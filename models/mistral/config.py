@@ -1,9 +1,11 @@
-"""MistralConfig: Mistral (MistralForCausalLM) without a sliding window, which is Llama.
+"""MistralConfig: Mistral (MistralForCausalLM), which is Llama with an optional sliding window.
 
 A Mistral decoder is Llama's (GQA, SwiGLU, rotate_half RoPE, untied head) plus an optional
-sliding window over the keys. Sliding-window attention is not served yet, so a config whose
-sliding_window is shorter than max_position_embeddings is refused (sliding_window null, as
-Mistral-7B v0.2 / v0.3 write it, or a window at least the context long, never slides).
+sliding window over the keys on every layer (Mistral-7B v0.1: 4096). The window is
+LlamaConfig.sliding_window: every layer's attention masks keys older than it and its cache
+spec carries it, so the engine keeps one sliding-window KV-cache group that frees the blocks
+that slid out. sliding_window null (Mistral-7B v0.2 / v0.3), or a window at least the context
+long, never slides: None.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ __all__ = ["PRESETS", "MistralConfig"]
 class MistralConfig(LlamaConfig):
     """LlamaConfig's fields: the model is models.llama.LlamaForCausalLM.
 
-    from_hf_config raises ValueError naming the field: another architecture, a sliding window,
-    a RoPE type other than default / llama3, a missing shape.
+    from_hf_config raises ValueError naming the field: another architecture, a window that is
+    not a positive int, a RoPE type other than default / llama3, a missing shape.
     """
 
     hf_model_type = "mistral"
@@ -29,11 +31,9 @@ class MistralConfig(LlamaConfig):
     @classmethod
     def hf_fields(cls, hf: dict, *, dtype=None, param_dtype=None) -> dict:
         window, max_len = hf.get("sliding_window"), hf.get("max_position_embeddings", 2048)
-        if window is not None and window < max_len:
-            raise ValueError(f"sliding_window={window} is shorter than max_position_embeddings={max_len}: "
-                             "sliding-window attention is not supported yet; use a checkpoint with sliding_window "
-                             "null")
-        return super().hf_fields(hf, dtype=dtype, param_dtype=param_dtype)
+        fields = super().hf_fields(hf, dtype=dtype, param_dtype=param_dtype)
+        # A window as long as the context never slides: full attention, one full group.
+        return {**fields, "sliding_window": window if window is not None and window < max_len else None}
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> MistralConfig:
@@ -42,7 +42,7 @@ class MistralConfig(LlamaConfig):
         return dataclasses.replace(PRESETS[name], **overrides)
 
     def to_hf_config(self) -> dict:
-        config = {**super().to_hf_config(), "sliding_window": None}
+        config = {**super().to_hf_config(), "sliding_window": self.sliding_window}
         del config["attention_bias"], config["mlp_bias"]  # Llama's flags, not Mistral's
         return config
 

@@ -1,7 +1,7 @@
 """HF Mistral checkpoint directory (config.json + safetensors) -> LlamaForCausalLM.
 
 Mistral's tensors are Llama's, names and layouts: the config is read as MistralConfig (which
-refuses a sliding window) and the tensors by Llama's map (models.llama.hf.model_from_hf_tensors).
+with its sliding window, if any) and the tensors by Llama's map (models.llama.hf.model_from_hf_tensors).
 llama.cpp writes Mistral GGUFs as general.architecture "llama", so the Llama family reads those.
 """
 
@@ -26,8 +26,8 @@ def load_hf_checkpoint(path: str, dtype=None, param_dtype=None, place=None) -> L
     Returns:
       A LlamaForCausalLM whose config is a MistralConfig.
     Raises:
-      ValueError naming the field or tensor for a config this model cannot serve (a sliding
-      window), a missing tensor or a tensor of the wrong shape.
+      ValueError naming the field or tensor for a config this model cannot serve (a window
+      that is not a positive int), a missing tensor or a tensor of the wrong shape.
     """
     config = MistralConfig.from_hf_config(read_hf_config(path), dtype=dtype, param_dtype=param_dtype)
     with hf_tensor_reader(tensor_files(path)) as get_tensor:
