@@ -129,8 +129,10 @@ def main():
         ("decode 32x1024, table 4096", [1] * 32, [1024] * 32, 1024, 256),
         ("prefill 512", [512], [512], 512, 32),
         ("prefill 512, table 4096", [512], [512], 512, 256),
-        # Gemma 3's local layers: a 512-key window on longer contexts
+        # Gemma 3's local layers: a 512-key window on longer contexts, beside the same without one
+        ("decode 32x2048", [1] * 32, [2048] * 32, 2048, 256),
         ("decode 32x2048, window 512", [1] * 32, [2048] * 32, 2048, 256, 512),
+        ("prefill 1024", [1024], [1024], 1024, 256),
         ("prefill 1024, window 512", [1024], [1024], 1024, 256, 512),
     ]
     rows = [run_case(*case, repeats=args.repeats, rng=rng) for case in cases]

@@ -84,6 +84,17 @@ def test_chat_cli_streams_turns_and_reuses_the_first_turn(tmp_path):
     assert int(hit) >= 48 and int(hit) < int(prompt), stats[1]
 
 
+def test_chat_cli_refuses_a_model_without_a_template_before_the_first_turn():
+    """The embedded tiny model ships no template (as gemma-3-270m, a base model): chat says so
+    and what to use instead, with exit status 2 and no traceback, without reading a turn."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "COLUMNS": "200"}
+    run = subprocess.run([sys.executable, "-m", "paged_jax", "chat", "--max-model-len", "64", "--warm-up", "none"],
+                         input="Hello?\n", capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 2, run.stderr
+    assert "--model tiny has no chat template" in run.stderr and "generate" in run.stderr
+    assert "Traceback" not in run.stderr and "assistant>" not in run.stdout
+
+
 def test_generate_chat_cli_prints_the_question_and_llm_chat_tokens(tmp_path):
     template = tmp_path / "chatml.jinja"
     template.write_text(CHATML)
