@@ -294,7 +294,7 @@ def sliding_window_rows(args) -> dict:
     from models.gemma3 import Gemma3Config
     from models.kv_cache_spec import attention_spec
 
-    c = Gemma3Config.from_preset("gemma-3-270m")
+    c = Gemma3Config.from_preset("gemma3-270m-shapes")
     hybrid = [attention_spec(c.num_kv_heads, c.head_dim, "bfloat16", sliding_window=w) for w in c.layer_windows]
     full = [dataclasses.replace(spec, sliding_window=None) for spec in hybrid]
     budget = int(args.window_budget_gib * 2**30)

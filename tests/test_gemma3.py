@@ -361,6 +361,7 @@ def test_gemma3_270m_logits_equal_transformers_short_and_past_the_window(gemma3_
     model = load_model(GEMMA3)  # weight_dtype "auto": the Q8_0 matrices packed, the rest float32
     c = model.config
     assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.sliding_window) == (18, 4, 1, 256, 512)
+    assert c == Gemma3Config.from_preset("gemma3-270m-shapes"), "the shapes preset (bench_memory's) drifted"
     specs = model.kv_cache_specs()
     assert [i for i, s in enumerate(specs) if s.sliding_window is None] == [5, 11, 17]
     assert [g.layer_ids for g in kv_cache_group_specs(specs)][-1] == (5, 11, 17)

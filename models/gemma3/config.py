@@ -139,4 +139,10 @@ PRESETS: dict[str, Gemma3Config] = {
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4, num_kv_heads=1,
         head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=2048, bos_token_id=2,
         eos_token_ids=(1,), sliding_window=8, query_pre_attn_scalar=24.0),
+    # Gemma 3 270M's shapes, as its GGUF's metadata gives them (tests/test_gemma3.py checks it);
+    # random weights: the trained model is the named model "gemma-3-270m".
+    "gemma3-270m-shapes": Gemma3Config(
+        vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4, num_kv_heads=1,
+        head_dim=256, rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
+        bos_token_id=2, eos_token_ids=(1,), sliding_window=512, query_pre_attn_scalar=256.0),
 }
