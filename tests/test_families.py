@@ -5,13 +5,13 @@ torch, saved with save_pretrained (safetensors) and loaded through models.regist
 as a user's directory would be:
 - every family and variant: the dense forward gives transformers' float32 logits within 1e-4
   (relative to the largest) on a batch of prompts;
-- every family (Qwen3, Qwen2, Qwen3-MoE, Mistral with and without its sliding window, Phi-3):
+- every family (Qwen3, Qwen2, Qwen3-MoE, Mistral and Phi-3 with and without their windows):
   LLM(<directory>) generates
   transformers' greedy tokens while its pool is
   small enough to preempt and half the prompts share a cached prefix;
 - Qwen3 and Qwen2 converted by llama.cpp's own convert_hf_to_gguf.py (skipped where llama.cpp's
   source is not unpacked, as in CI): the GGUF gives the same logits;
-- configs the families cannot serve (Qwen's and Phi-3's sliding windows, unknown rope types, other
+- configs the families cannot serve (Qwen's sliding windows, unknown rope types, other
   architectures)
   are ValueErrors naming the field.
 """
@@ -75,6 +75,7 @@ CHECKPOINTS = {
     # Every layer sees its latest 8 keys: one sliding-window KV-cache group.
     "mistral-window": ("MistralConfig", dict(sliding_window=8)),
     "phi3": ("Phi3Config", dict()),
+    "phi3-window": ("Phi3Config", dict(sliding_window=8)),
     "phi3-longrope": ("Phi3Config", dict(original_max_position_embeddings=ORIGINAL_LEN, rope_parameters=LONGROPE)),
     # 12 of each head's 16 dims rotate, with longrope over their 6 frequencies.
     "phi3-partial": ("Phi3Config", dict(original_max_position_embeddings=ORIGINAL_LEN, rope_parameters=dict(
@@ -213,7 +214,8 @@ def test_each_tensor_is_placed_by_its_own_rule(checkpoint):
 
 # ---------------------------------------------------------------- engine
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen2-tied", "qwen3-moe-norm", "mistral", "mistral-window", "phi3"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2-tied", "qwen3-moe-norm", "mistral", "mistral-window", "phi3",
+                                  "phi3-window"])
 def test_engine_greedy_equals_transformers_under_preemption_and_prefix_caching(checkpoint, name):
     ref, path = checkpoint(name)
     rng = np.random.default_rng(0)
@@ -228,13 +230,13 @@ def test_engine_greedy_equals_transformers_under_preemption_and_prefix_caching(c
     # 11 usable blocks of 8 = 88 slots for 4 running sequences of up to 54 tokens: preempts. A
     # window of 8 keeps at most 3 blocks a sequence (cdiv(7 + 8, 8) + 1): 7 usable blocks for 4.
     # Token buckets 1..8, each compiled on first use: what compiling costs here, the test's time.
-    num_blocks = 8 if name == "mistral-window" else 12
+    num_blocks = 8 if name.endswith("-window") else 12
     llm = LLM(str(path), block_size=8, num_blocks=num_blocks, max_model_len=64, max_num_seqs=4,
               max_num_batched_tokens=8, enable_prefix_caching=True, warm_up="none")
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
                                      for m in max_tokens], use_tqdm=False)
     assert [o.token_ids for o in outputs] == expected
-    if name == "mistral-window":  # one group whose manager frees what slid out of the window
+    if name.endswith("-window"):  # one group whose manager frees what slid out of the window
         assert [(g.attention_type, g.sliding_window) for g in llm.engine.cache_config.kv_cache_groups] == [
             ("sliding_window", 8)]
     stats = llm.engine.get_stats()
@@ -323,8 +325,7 @@ def _hf_config(config_class: str, **overrides) -> dict:
 
 @pytest.mark.parametrize("config_class, overrides, message", [
     ("MistralConfig", dict(sliding_window=0), r"sliding_window=0 must be a positive int"),
-    ("Phi3Config", dict(sliding_window=2047, max_position_embeddings=4096),
-     r"sliding_window=2047 is shorter than max_position_embeddings=4096: sliding-window attention is not supported"),
+    ("Phi3Config", dict(sliding_window=-1), r"sliding_window=-1 must be a positive int"),
     ("Qwen2Config", dict(use_sliding_window=True, sliding_window=64, max_window_layers=1, layer_types=None),
      r"sliding_window=64 \(use_sliding_window=true.*sliding-window attention is not supported yet"),
     ("Qwen3Config", dict(use_sliding_window=True, sliding_window=64, layer_types=["full_attention",

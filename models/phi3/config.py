@@ -96,16 +96,12 @@ class Phi3Config(LlamaConfig):
             (module docstring); False serves up to original_max_position_embeddings with
             short_factor. Only a longrope config has the choice.
         Raises:
-          ValueError naming the field: another architecture, a sliding window, a rope type
-          not in ROPE_TYPES, factors of the wrong length.
+          ValueError naming the field: another architecture, a window that is not a positive
+          int, a rope type not in ROPE_TYPES, factors of the wrong length.
         """
         cls.check_architecture(hf)
         max_len = hf.get("max_position_embeddings", 4096)
         window = hf.get("sliding_window")
-        if window is not None and window < max_len:
-            raise ValueError(f"sliding_window={window} is shorter than max_position_embeddings={max_len}: "
-                             "sliding-window attention is not supported yet; use a checkpoint with sliding_window "
-                             "null")
         rope = dict(hf.get("rope_parameters") or {})
         if rope.get("rope_type", rope.get("type", "default")) == "default" and hf.get("rope_scaling"):
             rope = {**rope, **hf["rope_scaling"]}  # 4.x: the scaling beside a top-level rope_theta
@@ -133,6 +129,9 @@ class Phi3Config(LlamaConfig):
                 fields["max_position_embeddings"] = min(max_len, original)
         elif long_context:
             raise ValueError("long_context=True: this config has no longrope scaling; load it without long_context")
+        # Every layer's window (Phi-3-mini-4k: 2047); one as long as the context never slides.
+        if window is not None and window < fields["max_position_embeddings"]:
+            fields["sliding_window"] = window
         return cls(**fields, partial_rotary_factor=partial, long_rope=long_rope)
 
     @classmethod
@@ -148,7 +147,7 @@ class Phi3Config(LlamaConfig):
             raise ValueError("to_hf_config: a Phi3Config keeps one set of LongRoPE factors and config.json needs "
                              "short_factor and long_factor; keep the checkpoint's own config.json")
         config = {**super().to_hf_config(), "partial_rotary_factor": self.partial_rotary_factor,
-                  "sliding_window": None}
+                  "sliding_window": self.sliding_window}
         del config["attention_bias"], config["mlp_bias"]  # Llama's flags, not Phi-3's
         return config
 
@@ -160,10 +159,9 @@ PRESETS: dict[str, Phi3Config] = {
         head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=512,
         bos_token_id=1, eos_token_ids=(2,), partial_rotary_factor=0.5,
         long_rope=LongRopeScaling((1.0, 1.2, 1.5, 2.0), 1.1, 512)),
-    # microsoft/Phi-3-mini-4k-instruct's shapes (random weights: its 2047-token sliding window is
-    # not served yet, so the published checkpoint is refused).
+    # microsoft/Phi-3-mini-4k-instruct's shapes (random weights), its 2047-token window included.
     "phi-3-mini": Phi3Config(
         vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_layers=32, num_heads=32, num_kv_heads=32,
         head_dim=96, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_ids=(32000,), param_dtype="bfloat16", dtype="bfloat16"),
+        bos_token_id=1, eos_token_ids=(32000,), param_dtype="bfloat16", dtype="bfloat16", sliding_window=2047),
 }

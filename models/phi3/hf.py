@@ -68,7 +68,7 @@ def load_hf_checkpoint(path: str, dtype=None, param_dtype=None, place=None,
       long_context: LongRoPE checkpoints: serve max_position_embeddings with long_factor
         instead of original_max_position_embeddings with short_factor (models/phi3/config.py).
     Raises:
-      ValueError naming the field or tensor for a config this model cannot serve (a sliding
+      ValueError naming the field or tensor for a config this model cannot serve (a bad
       window, an unsupported rope type), a missing tensor or a tensor of the wrong shape.
     """
     config = Phi3Config.from_hf_config(read_hf_config(path), dtype=dtype, param_dtype=param_dtype,
