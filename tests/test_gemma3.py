@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from hand_step_inputs import hand_step_inputs
-from hf_reference import assert_close_rel
+from hf_reference import assert_close_rel, hf_from_gguf
 from models import named_models
 from models.gemma3 import Gemma3Config, read_gguf_config
 from models.kv_cache_spec import init_kv_caches, kv_cache_group_specs
@@ -310,36 +310,13 @@ def gemma3_path():
 @pytest.mark.slow
 @pytest.mark.hf
 def test_gemma3_270m_tokenizer_ids_equal_transformers(gemma3_path):
-    import transformers
-
     ours = load_tokenizer(GEMMA3)
-    ref = transformers.AutoTokenizer.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name)
+    ref = hf_from_gguf(gemma3_path, "tokenizer")
     for text in TEXTS:
         ids = ref(text).input_ids
         assert ours.encode(text) == ids, text
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
     assert ours.bos_token_id == 2 and ours.chat_template is None  # the file carries no chat template
-
-
-def hf_gemma3_270m(path: Path):
-    """transformers' Gemma3ForCausalLM read from the GGUF, float32.
-
-    transformers opens the file with gguf.GGUFReader twice (config, then weights), ~30 s each on
-    a 262k-token vocabulary: while it loads, GGUFReader hands it the reader models.gguf already
-    parsed (the gguf package's own object, read-only), the same bytes through the same parser."""
-    import gguf
-    import torch
-    import transformers
-
-    from models.gguf import open_gguf
-
-    reader, _ = open_gguf(path)
-    parse = gguf.GGUFReader
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", lambda file, *args, **kwargs: reader if Path(file) == path
-                      else parse(file, *args, **kwargs))
-        return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                 dtype=torch.float32).eval()
 
 
 # Measured max |ours - transformers| 4.7e-5 (logits up to 27; 2e-6 of the largest), weight_dtype
@@ -372,7 +349,7 @@ def test_gemma3_270m_logits_equal_transformers_short_and_past_the_window(gemma3_
     assert len(short) < 16 and len(long) == 600
 
     torch.set_num_threads(2)
-    ref = hf_gemma3_270m(gemma3_path)
+    ref = hf_from_gguf(gemma3_path)
     long_ends = [290, 596, 597, 598, 599, 600]
     expected_short = hf_logits(ref, short)
     expected_long = hf_logits(ref, long, keep=[end - 1 for end in long_ends])

@@ -1,10 +1,11 @@
 """Gemma 3 270M through the engine: sliding-window groups against transformers, past the window.
 
-Prompts of 1,600+ tokens (three times the 512-token window) run through chunked prefill (256
-tokens a step), prefix caching (a second prompt shares the first one's opening 1,200 tokens)
-and preemption (a pool too small for two such requests at once); every greedy output must be
+Prompts of 1,100 tokens (twice the 512-token window) run through chunked prefill (256 tokens a
+step), prefix caching (a second prompt shares the first one's opening 800 tokens) and
+preemption (a pool too small for two such requests at once); every greedy output must be
 transformers' own, token for token (Gemma3ForCausalLM from the same GGUF, float32, its
-KV-cached generate). The sliding groups must hold no more than their window's blocks.
+KV-cached generate). While a request decodes past the window its sliding groups hold exactly
+ceil(512 / 16) + 1 blocks at most, the full group every block.
 """
 
 import importlib.util
@@ -13,14 +14,20 @@ import numpy as np
 import pytest
 
 from engine_reference import assert_no_leak
+from hf_reference import hf_from_gguf
 from models.named_models import resolve_named_model
 from paged_jax import LLM, SamplingParams
+from paged_jax.core.single_type_kv_cache_manager import max_blocks_per_request
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 
 GEMMA3 = "gemma-3-270m"
 MAX_TOKENS = 8
-NUM_DECODED = 640
+BLOCK_SIZE = 16
+CHUNK = 256
+# One 1,100-token request holds at most 69 blocks of the full group and 49 in each of the five
+# sliding groups (cdiv(512 + 256 - 2, 16) + 1), 314 in all: 399 usable blocks hold one, not two.
+NUM_BLOCKS = 400
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +36,15 @@ def gemma3_path():
     if missing:
         pytest.skip(f"the Gemma 3 reference needs {missing}: pip install -e '.[hf]'")
     return resolve_named_model(GEMMA3)
+
+
+@pytest.fixture(scope="module")
+def llm(gemma3_path):
+    """One engine for the module (the GGUF is read and dequantized once)."""
+    llm = LLM(GEMMA3, dtype="float32", block_size=BLOCK_SIZE, max_model_len=1280, max_num_seqs=2,
+              max_num_batched_tokens=CHUNK, enable_prefix_caching=True, num_blocks=NUM_BLOCKS, warm_up="none")
+    yield llm
+    llm.shutdown()
 
 
 def hf_generate(model, prompt: list[int], max_tokens: int) -> list[int]:
@@ -41,72 +57,73 @@ def hf_generate(model, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def long_prompts(tokenizer) -> list[list[int]]:
-    """Three prompts of 1,600 tokens of Python's help topics: the second shares the first's
-    opening 1,200 tokens (75 blocks of 16), the third shares nothing."""
+def topic_ids(tokenizer) -> list[int]:
+    """Python's help topics, tokenized (over 6,000 tokens)."""
     from pydoc_data.topics import topics
 
-    text = "\n\n".join(topics[k] for k in sorted(topics))
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode("\n\n".join(topics[k] for k in sorted(topics)))
     assert len(ids) > 6000
-    first = ids[:1600]
-    second = ids[:1200] + ids[3000:3400]
-    third = ids[:1] + ids[4000:5599]  # BOS, then other text
+    return ids
+
+
+def long_prompts(ids: list[int]) -> list[list[int]]:
+    """Three prompts of 1,100 tokens: the second shares the first's opening 800 tokens (50
+    blocks of 16), the third shares nothing."""
+    first = ids[:1100]
+    second = ids[:800] + ids[3000:3300]
+    third = ids[:1] + ids[4000:5099]  # BOS, then other text
     return [first, second, third]
 
 
-def test_long_prompts_equal_transformers_with_chunking_prefix_hits_and_preemption(gemma3_path):
+def test_long_prompts_equal_transformers_with_chunking_prefix_hits_and_preemption(llm, gemma3_path):
     import torch
-    import transformers
 
-    llm = LLM(GEMMA3, dtype="float32", block_size=16, max_model_len=2048, max_num_seqs=2,
-              max_num_batched_tokens=256, enable_prefix_caching=True, num_blocks=480, warm_up="none")
-    prompts = long_prompts(llm.engine.tokenizer)
+    prompts = long_prompts(topic_ids(llm.engine.tokenizer))
     groups = llm.engine.cache_config.kv_cache_groups
     assert [g.attention_type for g in groups] == ["sliding_window"] * 5 + ["full_attention"]
     assert {g.sliding_window for g in groups[:5]} == {512}
 
     torch.set_num_threads(1)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name,
-                                                            dtype=torch.float32).eval()
+    ref = hf_from_gguf(gemma3_path)
     expected = [hf_generate(ref, p, MAX_TOKENS) for p in prompts]
     del ref
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    # The first prompt alone; then the second, whose 1,200 shared tokens hit in every group.
+    # The first prompt alone; then the second, whose 800 shared tokens hit in every group.
     first = llm.generate([prompts[0]], params, use_tqdm=False)[0]
     second = llm.generate([prompts[1]], params, use_tqdm=False)[0]
     assert first.token_ids == expected[0]
     assert second.token_ids == expected[1]
-    assert second.metrics.num_cached_tokens == 1200 - 1200 % 16
-    # Both long prompts again with the third at once: 479 usable blocks hold one 1,600-token
-    # request (100 blocks of the full group + up to 49 in each of 5 sliding groups) but not three.
-    outputs = llm.generate([prompts[2], prompts[0], prompts[1]], params, use_tqdm=False)
-    assert [o.token_ids for o in outputs] == [expected[2], expected[0], expected[1]]
-    stats = llm.engine.get_stats()
-    assert stats["num_preemptions"] > 0, "the pool was meant to be too small for three long requests"
+    assert second.metrics.num_cached_tokens == 800
+    # The third and the first at once: the pool holds one of them, so one is preempted.
+    before = llm.engine.get_stats()["num_preemptions"]
+    outputs = llm.generate([prompts[2], prompts[0]], params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [expected[2], expected[0]]
+    assert llm.engine.get_stats()["num_preemptions"] > before, "the pool was meant to be too small for two"
     assert_no_leak(llm.engine)
-    llm.shutdown()
 
 
-def test_a_long_generation_keeps_the_sliding_groups_within_their_window(gemma3_path):
-    """640 tokens decoded (past the window and 33 blocks; tests/test_sliding_window_manager.py decodes
-    4,096 through the manager alone): each sliding group never holds more than
-    ceil(512 / 16) + 1 blocks, the full group every block."""
-    llm = LLM(GEMMA3, dtype="float32", block_size=16, max_model_len=700, max_num_seqs=1,
-              max_num_batched_tokens=64, enable_prefix_caching=False, warm_up="none")
+def test_decoding_past_the_window_keeps_the_sliding_groups_within_it(llm):
+    """A 560-token prompt, then 48 decode steps (tests/test_sliding_window_manager.py decodes
+    4,096 through the manager alone): while decoding, each sliding group holds at most
+    ceil(512 / 16) + 1 blocks and reaches that bound; while prefilling, at most what
+    max_blocks_per_request allows for 256-token chunks; the full group holds every block."""
     engine = llm.engine
-    prompt = engine.tokenizer.encode("def fibonacci(n):")
-    engine.add_request("long", prompt, SamplingParams(max_tokens=NUM_DECODED, temperature=0.0, ignore_eos=True))
+    prompt = topic_ids(engine.tokenizer)[:1] + topic_ids(engine.tokenizer)[5200:5759]
+    num_decoded = 48
+    engine.add_request("long", prompt, SamplingParams(max_tokens=num_decoded, temperature=0.0, ignore_eos=True))
+    groups = engine.cache_config.kv_cache_groups
+    prefill_bound = max_blocks_per_request(groups[0], BLOCK_SIZE, len(prompt) + num_decoded, CHUNK)
     manager = engine.kv_cache_manager
-    most = np.zeros(6, int)
+    most = {"prefill": np.zeros(6, int), "decode": np.zeros(6, int)}
     while engine.has_unfinished_requests():
+        phase = "decode" if engine.scheduler.requests["long"].num_computed_tokens >= len(prompt) else "prefill"
         engine.step()
         tables = manager.get_block_ids("long")
-        held = [sum(1 for b in table if b != 0) for table in tables]
-        most = np.maximum(most, held) if any(tables) else most
-    assert max(most[:5]) <= -(-512 // 16) + 1, most
-    assert max(most[:5]) == -(-512 // 16) + 1, "the window never filled: the test would not see a leak"
-    assert most[5] == -(-(len(prompt) + NUM_DECODED - 1) // 16)
+        if any(tables):
+            most[phase] = np.maximum(most[phase], [sum(1 for b in table if b != 0) for table in tables])
+    window_bound = -(-512 // BLOCK_SIZE) + 1
+    assert max(most["decode"][:5]) == window_bound, most
+    assert max(most["prefill"][:5]) <= prefill_bound, most
+    assert most["decode"][5] == -(-(len(prompt) + num_decoded - 1) // BLOCK_SIZE)
     assert_no_leak(engine)
-    llm.shutdown()
