@@ -17,6 +17,7 @@ from models.registry import load_model, load_tokenizer
 from paged_jax.chat import chat_prompt
 from paged_jax.compile_cache import enable_compile_cache
 from paged_jax.core.batch import StepInputsBuilder
+from paged_jax.core.hashing import digest_nbytes
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.kv_events import KVEventLog
 from paged_jax.core.request import Request, SamplingParams
@@ -67,7 +68,8 @@ class LLMEngine:
         self.resolved_config = c.resolve(self.model, local_device)
         self.cache_config, self.scheduler_config = self.resolved_config.cache, self.resolved_config.scheduler
         self.runner = ModelRunner(self.model, self.resolved_config, mesh=self.mesh)
-        self.kv_events = KVEventLog() if c.enable_kv_events else None
+        self.kv_events = KVEventLog(kv_cache_groups=self.cache_config.kv_cache_groups,
+                                    hash_nbytes=digest_nbytes(self.cache_config.hash_algo)) if c.enable_kv_events else None
         self.offload = build_offload_manager(c, self.cache_config, self.runner.pool, self.model, self.kv_events)
         self.kv_cache_manager = KVCacheManager(self.cache_config, self.offload, self.kv_events)
         if self.offload is not None and c.warm_up != "none":

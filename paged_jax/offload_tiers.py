@@ -58,4 +58,5 @@ def build_offload_manager(config, cache_config, pool, model, kv_events=None) -> 
                 "hash_algo": cache_config.hash_algo,
                 "chain_root": make_none_hash(hash_fn, cache_config.hash_seed).hex()}
         disk = DiskKVTier(offload.disk_dir, meta, codec.nbytes, offload.disk_bytes, kv_events)
-    return OffloadManager(offload, codec, cache_config.block_size, disk, kv_events)
+    return OffloadManager(offload, codec, cache_config.block_size, disk, kv_events,
+                          sliding_windows=tuple(g.sliding_window for g in cache_config.kv_cache_groups))

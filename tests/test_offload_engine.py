@@ -16,6 +16,10 @@
 - A restart: a fresh engine over the same disk directory skips the prefill of a system
   prompt the first one computed; a directory of another setup is refused.
 - KV events replayed into an index agree with what each tier holds.
+- Sliding-window groups (a random tiny Gemma 3: five sliding groups, one full): with heavy
+  preemption over a host tier, by recompute and by swap, greedy outputs equal the same
+  model's with a pool that never preempts; KV events name each group (its index, attention
+  type and window) with plain chain hashes, and replayed per group agree with each tier.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import pytest
 from engine_reference import (BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, big_llm, dense_greedy, greedy_params,
                               make_prompts, run_to_completion)
 from models.registry import build_preset, load_model
+from paged_jax.core.block_pool import split_group_id
 from paged_jax.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from paged_jax.core.request import Request, SamplingParams
 from paged_jax.engine import LLMEngine
@@ -317,3 +322,69 @@ def test_disk_tier_of_a_quantized_pool_belongs_to_its_key_offsets(tmp_path):
     for other in (offsets + 0.5, None):
         with pytest.raises(ValueError, match="kv_key_offsets: '[0-9a-f]{64}' in the directory, "):
             offload_engine(**settings, kv_key_offsets=other)
+
+
+# ---------------------------------------------------------------- sliding-window groups
+# A random tiny Gemma 3 (tests/test_gemma3.py checks it against transformers): five
+# sliding-window groups (window 8: every prompt here slides past it) and one full group, one
+# layer each. One request holds at most 16 full blocks and 6 per sliding group (64-token
+# chunks), 46 in all: 59 usable blocks hold one, so 8 running requests preempt constantly.
+GEMMA_POOL = dict(num_blocks=60)
+GEMMA_BLOCK_BYTES = 4096  # one layer x (k, v) x 16 tokens x 1 KV head x 32 x f32
+
+
+@functools.cache
+def gemma_reference():
+    """The tiny Gemma 3 and its greedy outputs on the workload with a pool that never preempts."""
+    model = build_preset("tiny-gemma3")
+    prompts, max_tokens, _ = workload()
+    engine = offload_engine(model, num_blocks=1024)
+    outputs = generate(engine, prompts, max_tokens)
+    assert engine.get_stats()["num_preemptions"] == 0
+    return model, outputs
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_sliding_window_groups_with_heavy_preemption_match_it_without(mode):
+    prompts, max_tokens, dense = workload()
+    model, reference = gemma_reference()
+    assert reference != dense, "the Gemma model's outputs equal the tiny llama's: the wrong model was loaded"
+    engine = offload_engine(model, preemption_mode=mode, offload_host_bytes=256 * GEMMA_BLOCK_BYTES, **GEMMA_POOL)
+    groups = engine.cache_config.kv_cache_groups
+    assert [g.sliding_window for g in groups] == [8] * 5 + [None]
+    assert engine.offload.codec.nbytes == GEMMA_BLOCK_BYTES
+    assert generate(engine, prompts, max_tokens) == reference
+    assert_offload_worked(engine, mode)
+    assert_tiers_idle(engine)
+
+
+def test_kv_events_name_each_group_and_track_what_it_holds():
+    prompts, max_tokens, _ = workload()
+    model, reference = gemma_reference()
+    engine = offload_engine(model, offload_host_bytes=48 * GEMMA_BLOCK_BYTES, enable_kv_events=True, **GEMMA_POOL)
+    assert generate(engine, prompts, max_tokens) == reference
+    events = engine.kv_events.get_events()
+    index: dict[tuple[str, int], set] = {}
+    for event in events:
+        group = engine.cache_config.kv_cache_groups[event.group_idx]
+        assert (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) == (group.attention_type,
+                                                                                  group.sliding_window)
+        held = index.setdefault((event.tier, event.group_idx), set())
+        if isinstance(event, BlockStored):
+            assert not held & set(event.block_hashes), "stored twice without a removal"
+            held |= set(event.block_hashes)
+        elif isinstance(event, BlockRemoved):
+            assert set(event.block_hashes) <= held, "removed a hash the tier never stored"
+            held -= set(event.block_hashes)
+    assert {g for tier, g in index if tier == "device"} == set(range(6)), "a group never reported"
+    # The hashes are the plain chain hashes: the pool's keys carry the group; the events say it.
+    nbytes = len(engine.kv_cache_manager.block_hasher.none_hash)
+    device, host = set(), set()
+    for key, _ in engine.kv_cache_manager.block_pool.cached_block_hash_to_block.items():
+        device.add(split_group_id(key, nbytes)[::-1])
+    for key in engine.offload.host.keys():
+        host.add(split_group_id(key, nbytes)[::-1])
+    assert {(g, h) for (tier, g), hashes in index.items() if tier == "device" for h in hashes} == device
+    assert {(g, h) for (tier, g), hashes in index.items() if tier == "host" for h in hashes} == host
+    assert any(isinstance(e, BlockRemoved) and e.tier == "host" for e in events), "the host tier never evicted"
+    assert_tiers_idle(engine)

@@ -360,11 +360,6 @@ def test_sliding_window_of_one_block_and_caching_off():
     mgr.check_invariants({"A": a})
 
 
-def test_offload_needs_full_attention():
-    with pytest.raises(ValueError, match="sliding-window one"):
-        KVCacheManager(CacheConfig(BS, 11, 64, kv_cache_groups=(sliding(0),)), offload=object())
-
-
 def test_check_invariants_catches_misplaced_null_blocks():
     mgr = make_manager([FULL, sliding(1)])
     a = Request("A", list(T))

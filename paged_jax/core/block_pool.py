@@ -35,6 +35,15 @@ def hash_with_group_id(block_hash: bytes, kv_cache_group_id: int) -> bytes:
     return block_hash if kv_cache_group_id == 0 else block_hash + kv_cache_group_id.to_bytes(4, "big")
 
 
+def split_group_id(key: bytes, hash_nbytes: int) -> tuple[bytes, int]:
+    """(chain hash, KV-cache group id) of a key made by hash_with_group_id, whose chain hashes
+    are hash_nbytes long."""
+    if len(key) == hash_nbytes:
+        return key, 0
+    assert len(key) == hash_nbytes + 4, f"a key of {len(key)} bytes is no {hash_nbytes}-byte hash with a group tag"
+    return key[:hash_nbytes], int.from_bytes(key[hash_nbytes:], "big")
+
+
 class BlockHashToBlockMap:
     """hash -> the block(s) cached under it.
 

@@ -49,6 +49,11 @@ def get_hash_fn_by_name(name: str) -> HashFn:
         raise ValueError(f"hash_algo={name!r} is unknown; use one of {sorted(HASH_FNS)}") from None
 
 
+def digest_nbytes(name: str) -> int:
+    """Bytes of one hash of the named algorithm (32 for sha256, 16 for xxhash)."""
+    return len(get_hash_fn_by_name(name)(None))
+
+
 def make_none_hash(hash_fn: HashFn = sha256_cbor, seed: int | str | None = None) -> BlockHash:
     """The root of a hash chain (vLLM's NONE_HASH): hash_fn(str(seed)), else random.
 

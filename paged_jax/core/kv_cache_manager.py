@@ -50,7 +50,7 @@ class KVCacheManager:
       config: the resolved CacheConfig (block_size, num_blocks incl. the null block 0,
         max_model_len, enable_prefix_caching, hash_algo, hash_seed, kv_cache_groups).
       offload: optional OffloadManager (core/offload.py): evicted blocks go down to its
-        tiers, lookups continue in them, swap_out() preempts into them (one group only).
+        tiers, lookups continue in them, swap_out() preempts into them (every group).
       kv_events: optional KVEventLog: device-tier BlockStored / BlockRemoved.
 
     State: coordinator.managers[g].req_to_blocks[request_id] is the request's block table in
@@ -79,12 +79,10 @@ class KVCacheManager:
         self._managers = self.coordinator.managers
         self._skipping_managers = self.coordinator.skipping_managers
         self._tables_of_group0 = self._managers[0].req_to_blocks
-        if offload is not None and self.num_kv_cache_groups > 1:
-            raise ValueError(f"the offload tiers keep one block table per request, but this model has "
-                             f"{self.num_kv_cache_groups} KV-cache groups; set offload_host_bytes=0")
-        if offload is not None and self._skipping_managers:
-            raise ValueError("the offload tiers keep every block of a request, but this model's KV-cache group "
-                             "is a sliding-window one (it frees blocks as the window moves); set offload_host_bytes=0")
+        if offload is not None:
+            windows = tuple(g.sliding_window for g in config.kv_cache_groups)
+            assert offload.sliding_windows == windows, (
+                f"the offload manager was built for groups of windows {offload.sliding_windows}, this cache has {windows}")
         hash_fn = get_hash_fn_by_name(config.hash_algo)
         # Attached to every request this manager sees; with caching off it hashes nothing.
         self.block_hasher = BlockHasher(self.block_size, hash_fn, make_none_hash(hash_fn, config.hash_seed),
@@ -301,7 +299,7 @@ class KVCacheManager:
             num_tokens = len(request.all_token_ids)
             coordinator.cache_blocks(request, num_tokens_to_cache if num_tokens_to_cache < num_tokens else num_tokens)
         if first_allocation and self.offload is not None:
-            self.offload.on_allocated(request, coordinator.managers[0].req_to_blocks[request_id], len(hits[0]))
+            self.offload.on_allocated(request, coordinator.get_blocks(request_id), len(hits[0]))
         return KVCacheBlocks(new_blocks)
 
     def _check_computed_blocks(self, request: Request, first_allocation: bool,
@@ -342,8 +340,8 @@ class KVCacheManager:
         get_computed_blocks finds them again. False (nothing changed) when the host tier
         cannot hold them: the caller preempts by recompute instead."""
         assert self.offload is not None, "swap preemption needs an offload manager (EngineConfig checks it)"
-        blocks = self.coordinator.managers[0].req_to_blocks.get(request.request_id, [])
-        if not self.offload.swap_out(request, blocks, request.num_computed_tokens):
+        if not self.offload.swap_out(request, self.coordinator.get_blocks(request.request_id),
+                                     request.num_computed_tokens):
             return False
         self.coordinator.free(request.request_id)
         return True

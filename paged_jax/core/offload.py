@@ -17,6 +17,15 @@ Where it hooks in (all host-side bookkeeping; the runner only moves the pages it
 - Persistence: with a disk tier, each newly cached block is written to disk after the step
   that computed it (`on_blocks_cached` plans it), so a restarted process finds it.
 
+Per KV-cache group: a block belongs to one group at a time and its pages are the pool's
+pages of that block id (every tensor of the pool, whatever group owns the block), so the
+copies never need to know the group. The keys do: a group's cached blocks are keyed by
+hash_with_group_id (block_pool.py), so each group's pages of a prefix are their own entries
+here and on disk. A lookup past the device hit extends the prefix as far as every group
+accepts it: a full-attention group needs every block, a sliding-window group only the
+blocks inside the window before the hit point (those before it are null in its table and
+never copied), as the device lookup asks (kv_cache_coordinator.py).
+
 Per step, `take_step_copies()` hands the runner a StepCopies: copy-downs first (gathered
 before anything else touches the pool), then copy-ups, then the step, then persists.
 Imports no jax.
@@ -29,6 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from paged_jax.core.block_pool import hash_with_group_id
 from paged_jax.core.config import check_int
 from paged_jax.core.host_tier import HostKVTier
 from paged_jax.core.page_codec import PageCodec, get_storage_format
@@ -84,8 +94,13 @@ class OffloadStats:
 
 @dataclass
 class _SwapRecord:
-    keys: list  # per written block, in order: its hash or its private swap key
+    # per KV-cache group, per block of the request in order: its hash, its private swap key,
+    # or None (a sliding-window group's block before the window: nothing to keep)
+    keys: list[list]
     num_tokens: int  # tokens whose KV the keys hold
+
+    def all_keys(self):
+        return [key for group_keys in self.keys for key in group_keys if key is not None]
 
 
 class StepCopies:
@@ -126,15 +141,22 @@ class OffloadManager:
       block_size: tokens per block.
       disk: optional DiskKVTier (same codec).
       kv_events: optional KVEventLog.
+      sliding_windows: per KV-cache group, its window (None for full attention); the
+        default is one full-attention group.
     """
 
-    def __init__(self, config: OffloadConfig, codec: PageCodec, block_size: int, disk=None, kv_events=None):
+    def __init__(self, config: OffloadConfig, codec: PageCodec, block_size: int, disk=None, kv_events=None,
+                 sliding_windows: tuple[int | None, ...] = (None,)):
         if config.host_bytes < codec.nbytes:
             raise ValueError(f"offload_host_bytes={config.host_bytes} cannot hold one block ({codec.nbytes} bytes "
                              f"in this format); give the host tier at least that")
         self.config = config
         self.codec = codec
         self.block_size = block_size
+        self.sliding_windows = tuple(sliding_windows)
+        assert self.sliding_windows, "no KV-cache groups"
+        self._full_groups = [g for g, w in enumerate(self.sliding_windows) if w is None]
+        self._sliding_groups = [(g, w) for g, w in enumerate(self.sliding_windows) if w is not None]
         self.host = HostKVTier(config.host_bytes, codec.nbytes, kv_events)
         self.disk = disk
         self.stats = OffloadStats()
@@ -143,8 +165,9 @@ class OffloadManager:
         self._persists: list = []  # (hash, block_id): write to disk after this step
         self._persist_keys: set = set()
         self._drop_after_load: set = set()  # private swap keys consumed by this step's loads
-        # request_id -> (keys found and pinned, host hit tokens, disk hit tokens) of its last lookup
-        self._found: dict[str, tuple[list, int, int]] = {}
+        # request_id -> (keys found and pinned: per group, for the blocks after the device hits,
+        # None where the group needs none; host hit tokens, disk hit tokens) of its last lookup
+        self._found: dict[str, tuple[list[list], int, int]] = {}
         self.swapped: dict[str, _SwapRecord] = {}
 
     # ------------------------------------------------------------------ block pool hooks
@@ -169,11 +192,15 @@ class OffloadManager:
 
     # ------------------------------------------------------------------ lookup
     def find(self, request, num_device_blocks: int, max_num_blocks: int) -> int:
-        """Continues request's prefix lookup past its num_device_blocks device hits.
+        """Continues request's prefix lookup past its num_device_blocks device hits (a hit
+        every group accepted).
 
-        Follows its swap record (if it was swapped out) and then its block hashes, up to
-        max_num_blocks full blocks, through the host tier and the disk tier; stops at the
-        first miss. The keys found are pinned until on_allocated / on_allocation_failed.
+        Follows its swap record (if it was swapped out), else its block hashes up to
+        max_num_blocks full blocks, through the host tier and the disk tier: the hit grows
+        block by block while every full-attention group finds its key, then ends at the
+        longest length for which every sliding-window group finds the keys inside its window
+        before that point. The keys found are pinned until on_allocated /
+        on_allocation_failed.
 
         Returns:
           The number of hit tokens counted from token 0 (num_device_blocks * block_size
@@ -181,33 +208,83 @@ class OffloadManager:
         """
         self._unpin_found(request.request_id)  # an earlier lookup that never reached allocate_slots
         bs = self.block_size
+        first = num_device_blocks
         record = self.swapped.get(request.request_id)
-        hashes = request.block_hashes
-        keys, num_tokens, i = [], num_device_blocks * bs, num_device_blocks
-        host_tokens = disk_tokens = 0  # counted in the stats once the request is admitted
+        if record is not None:
+            num_tokens_at_end = record.num_tokens
+            keys_at = [group_keys for group_keys in record.keys]
+        else:
+            hashes = request.block_hashes
+            num_tokens_at_end = min(max_num_blocks, len(hashes)) * bs
+            keys_at = [[hash_with_group_id(h, g) for h in hashes[:num_tokens_at_end // bs]]
+                       for g in range(len(self.sliding_windows))]
+        num_blocks_at_end = -(-num_tokens_at_end // bs)
+        if num_blocks_at_end <= first:
+            return first * bs
+
+        def tokens_at(n: int) -> int:
+            return min(n * bs, num_tokens_at_end)
+
+        pinned: dict = {}  # key -> tier, pinned by this lookup
+        # Full attention: every block, left to right, up to the first miss.
+        end = first
+        while end < num_blocks_at_end and all(self._fetch_pinned(keys_at[g][end], pinned) for g in self._full_groups):
+            end += 1
+        # Sliding windows: the longest n <= end whose window blocks (after the device hits) are
+        # all here; a key that is listed but cannot be fetched is marked and the search redone.
+        missing: set = set()
+
+        def window_blocks(n: int):
+            for g, window in self._sliding_groups:
+                for i in range(max(first, max(0, tokens_at(n) - window + 1) // bs), n):
+                    yield g, i
+
         while True:
-            if record is not None and i < len(record.keys):
-                key, end = record.keys[i], min(record.num_tokens, (i + 1) * bs)
-            elif i < max_num_blocks and i < len(hashes):
-                key, end = hashes[i], (i + 1) * bs
-            else:
+            n = end
+            while n > first and any(keys_at[g][i] is None or (g, i) in missing or not self._has(keys_at[g][i])
+                                    for g, i in window_blocks(n)):
+                n -= 1
+            failed = [(g, i) for g, i in window_blocks(n) if not self._fetch_pinned(keys_at[g][i], pinned)]
+            if not failed:
                 break
-            tier = self._fetch(key)
-            if tier is None:
-                break
-            self.host.pin(key)
-            keys.append(key)
-            if tier == "host":
-                host_tokens += end - num_tokens
+            missing.update(failed)
+        keys: list[list] = []
+        for g, window in enumerate(self.sliding_windows):
+            start = first if window is None else max(first, max(0, tokens_at(n) - window + 1) // bs)
+            keys.append([keys_at[g][i] if i >= start else None for i in range(first, n)])
+        needed = {key for group_keys in keys for key in group_keys if key is not None}
+        for key in list(pinned):
+            if key not in needed:
+                self.host.unpin(key)
+                del pinned[key]
+        if n == first:
+            return first * bs
+        host_tokens = disk_tokens = 0  # counted in the stats once the request is admitted
+        for i in range(first, n):
+            block_tokens = tokens_at(i + 1) - i * bs
+            if any(pinned.get(group_keys[i - first]) == "disk" for group_keys in keys):
+                disk_tokens += block_tokens
             else:
-                disk_tokens += end - num_tokens
-            num_tokens = end
-            if end % bs:
-                break  # a swapped request's partial last block: nothing follows it
-            i += 1
-        if keys:
-            self._found[request.request_id] = keys, host_tokens, disk_tokens
-        return num_tokens
+                host_tokens += block_tokens
+        self._found[request.request_id] = keys, host_tokens, disk_tokens
+        return tokens_at(n)
+
+    def _has(self, key) -> bool:
+        """Whether the host or the disk tier lists key (nothing is read)."""
+        return key in self.host or (self.disk is not None and isinstance(key, bytes) and key in self.disk)
+
+    def _fetch_pinned(self, key, pinned: dict) -> bool:
+        """Fetches key (see _fetch) and pins it once for this lookup; False if it is not here."""
+        if key is None:
+            return False
+        if key in pinned:
+            return True
+        tier = self._fetch(key)
+        if tier is None:
+            return False
+        self.host.pin(key)
+        pinned[key] = tier
+        return True
 
     def _fetch(self, key) -> str | None:
         """'host' if the host tier holds key, 'disk' if it was just read from disk into it."""
@@ -223,20 +300,27 @@ class OffloadManager:
         self.stats.bytes_from_disk += buffer.nbytes
         return "disk"
 
-    def on_allocated(self, request, req_blocks, num_device_blocks: int) -> None:
-        """allocate_slots succeeded: plan the copy-up of the keys find() pinned into the
-        blocks after the device hits, and close the request's swap record."""
+    def on_allocated(self, request, tables, num_device_blocks: int) -> None:
+        """allocate_slots succeeded: plan the copy-up of the keys find() pinned into each
+        group's blocks after the device hits (tables: the request's block table per group),
+        and close the request's swap record."""
         request_id = request.request_id
         keys, host_tokens, disk_tokens = self._found.pop(request_id, ((), 0, 0))
         self.stats.host_hit_tokens += host_tokens
         self.stats.disk_hit_tokens += disk_tokens
-        for key, block in zip(keys, req_blocks[num_device_blocks:]):
-            self._loads.append((key, block.block_id))  # stays pinned until loaded
-        assert len(req_blocks) >= num_device_blocks + len(keys), "host hits without blocks to copy them into"
+        loaded = set()
+        for group_keys, table in zip(keys, tables):
+            assert len(table) >= num_device_blocks + len(group_keys), "host hits without blocks to copy them into"
+            for key, block in zip(group_keys, table[num_device_blocks:]):
+                if key is None:
+                    continue
+                assert not block.is_null, f"a host hit for block {block.block_id}, which the window skipped"
+                self._loads.append((key, block.block_id))  # stays pinned until loaded
+                loaded.add(key)
         record = self.swapped.pop(request_id, None)
         if record is not None:
             self.stats.num_swap_ins += 1
-            self._release_record(record, loaded=set(keys))
+            self._release_record(record, loaded=loaded)
 
     def on_allocation_failed(self, request_id: str) -> None:
         """allocate_slots returned None: the keys find() pinned are released."""
@@ -244,28 +328,44 @@ class OffloadManager:
 
     def _unpin_found(self, request_id: str) -> None:
         keys, _, _ = self._found.pop(request_id, ((), 0, 0))
-        for key in keys:
-            self.host.unpin(key)
+        for group_keys in keys:
+            for key in group_keys:
+                if key is not None:
+                    self.host.unpin(key)
 
     # ------------------------------------------------------------------ swap
-    def swap_out(self, request, blocks, num_computed_tokens: int) -> bool:
-        """Plans the copy-down of the first cdiv(num_computed_tokens, block_size) blocks.
+    def swap_out(self, request, tables, num_computed_tokens: int) -> bool:
+        """Plans the copy-down of the first cdiv(num_computed_tokens, block_size) blocks of
+        each group (tables: the request's block table per group), but for a sliding-window
+        group's blocks before the window of the next token (null, or about to be).
 
         Returns False (nothing changed) if the host tier cannot hold them all.
         """
         request_id = request.request_id
-        num_blocks = -(-num_computed_tokens // self.block_size)
-        keys = [b.block_hash if b.block_hash is not None else ("swap", request_id, i)
-                for i, b in enumerate(blocks[:num_blocks])]
-        held = [key for key in keys if key in self.host]
+        bs = self.block_size
+        num_blocks = -(-num_computed_tokens // bs)
+        keys: list[list] = []
+        blocks = []
+        for g, (window, table) in enumerate(zip(self.sliding_windows, tables)):
+            start = 0 if window is None else max(0, num_computed_tokens - window + 1) // bs
+            group_keys = []
+            for i, block in enumerate(table[:num_blocks]):
+                if i < start or block.is_null:
+                    group_keys.append(None)
+                    continue
+                key = block.block_hash if block.block_hash is not None else ("swap", request_id, g, i)
+                group_keys.append(key)
+                blocks.append((key, block))
+            keys.append(group_keys)
+        held = [key for key, _ in blocks if key in self.host]
         for key in held:
             self.host.pin(key)
-        if not self.host.can_reserve(len(keys) - len(held)):
+        if not self.host.can_reserve(len(blocks) - len(held)):
             for key in held:
                 self.host.unpin(key)
             self.stats.num_swap_fallbacks += 1
             return False
-        for key, block in zip(keys, blocks):
+        for key, block in blocks:
             if key in self.host:
                 continue
             reserved = self.host.reserve(key)
@@ -277,7 +377,7 @@ class OffloadManager:
         return True
 
     def _release_record(self, record: _SwapRecord, loaded=()) -> None:
-        for key in record.keys:
+        for key in record.all_keys():
             self.host.unpin(key)
             if isinstance(key, tuple):  # private pages: nobody else can use them
                 if key in loaded:
