@@ -1,7 +1,7 @@
 """Gemma 3 270M through the engine: sliding-window groups against transformers, past the window.
 
-Prompts of 1,100 tokens (twice the 512-token window) run through chunked prefill (256 tokens a
-step), prefix caching (a second prompt shares the first one's opening 800 tokens) and
+Prompts of 1,600 tokens (three times the 512-token window) run through chunked prefill (256 tokens a
+step), prefix caching (a second prompt shares the first one's opening 1,200 tokens) and
 preemption (a pool too small for two such requests at once); every greedy output must be
 transformers' own, token for token (Gemma3ForCausalLM from the same GGUF, float32, its
 KV-cached generate). While a request decodes past the window its sliding groups hold exactly
@@ -25,9 +25,9 @@ GEMMA3 = "gemma-3-270m"
 MAX_TOKENS = 8
 BLOCK_SIZE = 16
 CHUNK = 256
-# One 1,100-token request holds at most 69 blocks of the full group and 49 in each of the five
-# sliding groups (cdiv(512 + 256 - 2, 16) + 1), 314 in all: 399 usable blocks hold one, not two.
-NUM_BLOCKS = 400
+# One 1,600-token request holds at most 101 blocks of the full group and 49 in each of the five
+# sliding groups (cdiv(512 + 256 - 2, 16) + 1), 346 in all: 479 usable blocks hold one, not two.
+NUM_BLOCKS = 480
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def gemma3_path():
 @pytest.fixture(scope="module")
 def llm(gemma3_path):
     """One engine for the module (the GGUF is read and dequantized once)."""
-    llm = LLM(GEMMA3, dtype="float32", block_size=BLOCK_SIZE, max_model_len=1280, max_num_seqs=2,
+    llm = LLM(GEMMA3, dtype="float32", block_size=BLOCK_SIZE, max_model_len=2048, max_num_seqs=2,
               max_num_batched_tokens=CHUNK, enable_prefix_caching=True, num_blocks=NUM_BLOCKS, warm_up="none")
     yield llm
     llm.shutdown()
@@ -67,11 +67,11 @@ def topic_ids(tokenizer) -> list[int]:
 
 
 def long_prompts(ids: list[int]) -> list[list[int]]:
-    """Three prompts of 1,100 tokens: the second shares the first's opening 800 tokens (50
+    """Three prompts of 1,600 tokens: the second shares the first's opening 1,200 tokens (75
     blocks of 16), the third shares nothing."""
-    first = ids[:1100]
-    second = ids[:800] + ids[3000:3300]
-    third = ids[:1] + ids[4000:5099]  # BOS, then other text
+    first = ids[:1600]
+    second = ids[:1200] + ids[3000:3400]
+    third = ids[:1] + ids[4000:5599]  # BOS, then other text
     return [first, second, third]
 
 
@@ -89,12 +89,12 @@ def test_long_prompts_equal_transformers_with_chunking_prefix_hits_and_preemptio
     del ref
 
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    # The first prompt alone; then the second, whose 800 shared tokens hit in every group.
+    # The first prompt alone; then the second, whose 1,200 shared tokens hit in every group.
     first = llm.generate([prompts[0]], params, use_tqdm=False)[0]
     second = llm.generate([prompts[1]], params, use_tqdm=False)[0]
     assert first.token_ids == expected[0]
     assert second.token_ids == expected[1]
-    assert second.metrics.num_cached_tokens == 800
+    assert second.metrics.num_cached_tokens == 1200
     # The third and the first at once: the pool holds one of them, so one is preempted.
     before = llm.engine.get_stats()["num_preemptions"]
     outputs = llm.generate([prompts[2], prompts[0]], params, use_tqdm=False)
