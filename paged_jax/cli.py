@@ -138,6 +138,8 @@ def _summary(outputs, stats: dict, elapsed: float) -> dict:
         "preemptions": stats["num_preemptions"],
         "compilations": stats["num_compilations"],
         "wall_s": elapsed,
+        **({"spec_acceptance_rate": stats["spec_acceptance_rate"],
+            "spec_mean_accepted_length": stats["spec_mean_accepted_length"]} if "spec_num_drafts" in stats else {}),
     }
 
 
@@ -237,6 +239,9 @@ def generate(args, params, prompts: list[str], console: Console) -> int:
                         ("preemptions", str(summary["preemptions"])),
                         ("compilations", str(summary["compilations"]))):
         table.add_row(name, value)
+    if "spec_acceptance_rate" in summary:
+        table.add_row("proposals accepted", f"{summary['spec_acceptance_rate']:.1%}")
+        table.add_row("tokens per verify step", f"{summary['spec_mean_accepted_length']:.2f}")
     console.print(table)
     return 0
 

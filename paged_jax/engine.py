@@ -22,6 +22,7 @@ from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.kv_events import KVEventLog
 from paged_jax.core.request import Request, SamplingParams
 from paged_jax.core.scheduler import Scheduler
+from paged_jax.core.spec_decode import SpecDecodeStats, propose_ngram
 from paged_jax.core.tokenizer import Tokenizer
 from paged_jax.engine_config import EngineConfig
 from paged_jax.multiprocess import check_multiprocess_config
@@ -75,6 +76,9 @@ class LLMEngine:
         if self.offload is not None and c.warm_up != "none":
             self.runner.pool.warm_up_page_copies()
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.spec_config = c.spec_config
+        if self.spec_config is not None:
+            self.scheduler.spec_stats = SpecDecodeStats(self.spec_config.num_speculative_tokens)
         self.input_builder = StepInputsBuilder(self.cache_config, self.scheduler_config, seed=c.seed)
         # Generation stops on any of the model's EOS ids (Llama 3 instruct lists several).
         eos_ids = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
@@ -182,9 +186,33 @@ class LLMEngine:
         """Schedules, runs one jitted step and applies its tokens; returns the outputs of
         the requests that got a token (finished ones have finished=True)."""
         scheduler_output = self.scheduler.schedule()
-        token_ids, logprobs = self.runner.execute(self.input_builder.build(scheduler_output),
-                                                  self.kv_cache_manager.take_step_copies())
-        return self._make_outputs(self.scheduler.update_from_output(scheduler_output, token_ids, logprobs))
+        inputs = self.input_builder.build(scheduler_output)
+        copies = self.kv_cache_manager.take_step_copies()
+        spec = None if self.spec_config is None else self.input_builder.spec_metadata(
+            scheduler_output, inputs, self.spec_config.num_speculative_tokens)
+        if spec is None:
+            token_ids, logprobs = self.runner.execute(inputs, copies)
+            num_accepted = None
+        else:
+            token_ids, logprobs, num_accepted = self.runner.execute(inputs, copies, spec)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, token_ids, logprobs, num_accepted)
+        if self.spec_config is not None:
+            self._propose()
+        return self._make_outputs(core_outputs)
+
+    def _propose(self) -> None:
+        """Prompt lookup for every decoding request (core/spec_decode.py): at most k tokens,
+        and no more than its max_tokens and max_model_len leave room for (the target's own
+        token comes after the accepted ones)."""
+        spec = self.spec_config
+        max_model_len = self.cache_config.max_model_len
+        for request in self.scheduler.running:
+            if request.num_tokens - request.num_computed_tokens != 1:
+                continue  # still prefilling
+            k = min(spec.num_speculative_tokens, max_model_len - request.num_tokens,
+                    request.max_tokens - request.num_output_tokens - 1)
+            request.spec_token_ids = propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min,
+                                                   spec.prompt_lookup_max)
 
     def _make_outputs(self, core_outputs) -> list[RequestOutput]:
         now = time.time()

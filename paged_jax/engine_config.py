@@ -8,6 +8,7 @@ Imports no jax (the server's HTTP process and the CLI build configs): what needs
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -19,6 +20,7 @@ from paged_jax.core.hashing import HASH_FNS, get_hash_fn_by_name
 from paged_jax.core.kv_quant import (KV_CACHE_DTYPES, KV_CACHE_SCALINGS, check_key_offsets, check_kv_cache_scaling,
                                      check_scale, get_kv_quant_format)
 from paged_jax.core.offload import PREEMPTION_MODES, OffloadConfig
+from paged_jax.core.spec_decode import SpeculativeConfig
 
 # models.packed_weight.WEIGHT_DTYPES, repeated so this module stays jax-free (a test checks they agree).
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8")
@@ -38,6 +40,7 @@ DEFAULT_MAX_MODEL_LEN_CAP = 4096
 CACHE = "model and cache"
 OFFLOAD = "offload tiers (host memory, disk)"
 DEVICES = "devices and hosts (README: several devices and hosts)"
+SPEC = "speculative decoding"
 
 
 def knob(default, help: str, *, choices: tuple | None = None, group: str = CACHE, flag: str | None = None,
@@ -142,9 +145,16 @@ class EngineConfig:
                                      "devices)", group=DEVICES)
     data_parallel_size: int = knob(1, "engine replicas, each on its own tensor_parallel_size devices, routed by "
                                    "cached prefix", group=DEVICES)
+    # speculative decoding (paged_jax/core/spec_decode.py)
+    speculative_config: dict | str | None = knob(
+        None, "speculative decoding, vLLM's speculative_config as a dict (JSON on the command line), e.g. "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} '
+        "(prompt lookup: propose what followed the latest earlier occurrence of the last n tokens)", group=SPEC)
     # resolved in __post_init__, not set by the caller: the offload tiers' config, built (and
     # validated) once from the offload_* fields; None without a host tier.
     offload_config: OffloadConfig | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # ... and speculative_config parsed (SpeculativeConfig); None without speculation.
+    spec_config: SpeculativeConfig | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         # The same checks CacheConfig / SchedulerConfig make, here so a bad argument fails
@@ -183,6 +193,10 @@ class EngineConfig:
             raise ValueError(f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS} ('pallas' is "
                              "the old name of 'triton'), or None: triton on GPU, xla elsewhere")
         self._check_offload()
+        spec = SpeculativeConfig.parse(self.speculative_config)  # ValueError naming the key
+        object.__setattr__(self, "spec_config", spec)
+        if isinstance(self.speculative_config, dict):  # the config stays hashable like its other fields
+            object.__setattr__(self, "speculative_config", json.dumps(self.speculative_config, sort_keys=True))
         if self.dtype is not None:
             try:
                 # numpy knows "bfloat16" once ml_dtypes is imported; its floats are kind "V".

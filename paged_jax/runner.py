@@ -3,7 +3,10 @@
 A step is three compiled programs per bucket (token count T, sequence count S; the block
 table width is fixed): `embed`, one `layer` program of a few consecutive decoder layers
 (layers_per_program, up to 6) called once per group of layers, and `head` (final norm,
-logits of the sampled rows, sampling). Compiling a few layers instead of a program with
+logits of the sampled rows, sampling). With speculative decoding each bucket also has a
+`spec_head`, which a step runs instead of `head` when some sequence brought proposals: the
+logits of every scored position (1 + k rows per sequence) and the rejection sampler
+(paged_jax/rejection_sampler.py); steps without proposals keep the plain head's cost. Compiling a few layers instead of a program with
 every layer unrolled is what makes start-up fast; each call costs a little on the host and
 in the runtime, so groups are as large as divide the layer count up to 6
 (docs/BENCHMARKS.md, section 10, measures both). A lax.scan over stacked weights compiled
@@ -38,9 +41,11 @@ from jax.experimental import multihost_utils
 from paged_jax.attention import bind_layer, make_attention_backend
 from paged_jax.compile_manager import CompileManager
 from paged_jax.core.batch import pad_step_inputs
-from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
+from paged_jax.core.step_inputs import (ModelInputs, SamplingMetadata, SpecDecodeMetadata, StepAttentionMetadata,
+                                       StepInputs)
 from paged_jax.engine_config import ResolvedConfig
 from paged_jax.kv_pool import KVPool
+from paged_jax.rejection_sampler import rejection_sample
 from paged_jax.sampler import sample
 from paged_jax.sharding import (TP_AXIS, ShardedAttention, cache_shardings, check_tensor_parallel, local_value,
                                 put_replicated, replicated, shard_params, step_fingerprint)
@@ -166,6 +171,8 @@ class ModelRunner:
         self._kind_treedefs = [jax.tree.structure(groups[self._group_kind.index(kind)])
                                for kind in range(len(self._group_graphdefs))]
         self.num_steps = 0
+        spec_config = engine.spec_config
+        self.num_spec_tokens = 0 if spec_config is None else spec_config.num_speculative_tokens
         self.compiler = CompileManager(scheduler_config.bucket_shapes(), self._compile, scheduler_config.bucket_for)
 
     @property
@@ -247,6 +254,23 @@ class ModelRunner:
         logits = self._model(head_params).compute_logits(x, inputs.model)
         return sample(logits, inputs.sampling)
 
+    def _spec_head_fn(self, head_params, x, inputs: StepInputs, spec: SpecDecodeMetadata):
+        """Logits of every scored position (S x (k + 1) rows) and the rejection sampler:
+        (token ids i32[S, k + 1], logprobs f32[S, k + 1], accepted proposals i32[S])."""
+        num_seqs, num_positions = spec.logits_indices.shape
+        rows = inputs.model._replace(logits_indices=spec.logits_indices.reshape(-1))
+        logits = self._model(head_params).compute_logits(x, rows).reshape(num_seqs, num_positions, -1)
+        token_ids, num_accepted, logprobs = rejection_sample(logits, spec.draft_token_ids, spec.num_draft_tokens,
+                                                             inputs.sampling)
+        return token_ids, logprobs, num_accepted
+
+    def dummy_spec(self, num_seqs: int) -> SpecDecodeMetadata:
+        """Verification inputs of a bucket with num_seqs sequences (no proposals)."""
+        k = self.num_spec_tokens
+        return SpecDecodeMetadata(draft_token_ids=np.zeros((num_seqs, k), np.int32),
+                                  num_draft_tokens=np.zeros(num_seqs, np.int32),
+                                  logits_indices=np.zeros((num_seqs, k + 1), np.int32))
+
     def _compile(self, num_tokens: int, num_seqs: int) -> tuple:
         """Lowers and compiles the three programs of one bucket (from shapes only, so the
         warm-up thread never touches the live, donated caches). Each takes the step's packed
@@ -292,13 +316,27 @@ class ModelRunner:
                                         [self.pool.abstract_caches[t] for t in tensors], packed,
                                         layer_inputs).compile())
         head = self._jit(head_fn, (rep, rep)).lower(head_params, x, packed).compile()
-        return embed, tuple(layers), head
+        spec_head = None
+        if self.num_spec_tokens:
+            spec_like = abstract(self.dummy_spec(num_seqs))
+            spec_packed = jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(spec_like)),),
+                                               np.int32, sharding=rep)
+
+            def spec_head_fn(head_leaves, x, packed, spec_packed):
+                return self._spec_head_fn(head_params_of(head_leaves), x, unpack_step_inputs(packed, like),
+                                          unpack_step_inputs(spec_packed, spec_like))
+
+            spec_head = self._jit(spec_head_fn, (rep, rep, rep)).lower(head_params, x, packed, spec_packed).compile()
+        return embed, tuple(layers), head, spec_head
 
     def _programs_for(self, shape: tuple[int, int]) -> tuple:
         return self.compiler.programs_for(shape)
 
-    def execute(self, inputs: StepInputs, copies=None) -> tuple[np.ndarray, np.ndarray]:
-        """Runs one step; returns (sampled token ids i32[S], their logprobs f32[S]) on the host.
+    def execute(self, inputs: StepInputs, copies=None, spec: SpecDecodeMetadata | None = None) -> tuple:
+        """Runs one step; returns (sampled token ids i32[S], their logprobs f32[S]) on the host,
+        or with `spec` (a verification step: StepInputsBuilder.spec_metadata) (token ids
+        i32[S, k + 1], logprobs f32[S, k + 1], accepted proposals i32[S]): row i's tokens are
+        its first accepted + 1.
 
         Rows past inputs.num_seqs are padding. A step with no sequences (only finished or
         aborted requests to release) runs no model program. `copies` (offload.StepCopies or
@@ -311,12 +349,18 @@ class ModelRunner:
             if copies.load_block_ids.size:
                 self.pool.put_pages(copies.load_block_ids, copies.load())
         if inputs.num_seqs == 0:
+            if spec is not None:
+                return np.zeros((0, self.num_spec_tokens + 1), np.int32), np.zeros((0, self.num_spec_tokens + 1),
+                                                                                  np.float32), np.zeros(0, np.int32)
             return np.zeros(0, np.int32), np.zeros(0, np.float32)
         shape = inputs.model.token_ids.shape[0], inputs.attention.seq_lens.shape[0]
         run_shape = self.compiler.choose_shape(*shape)
         if run_shape != shape:  # its own bucket is still compiling: a larger compiled one runs it
             inputs = pad_step_inputs(inputs, *run_shape)
-        embed, layers, head = self._programs_for(run_shape)
+            if spec is not None:  # padded sequences have no proposals and score row 0
+                spec = SpecDecodeMetadata(*(np.pad(a, [(0, run_shape[1] - shape[1])] + [(0, 0)] * (a.ndim - 1))
+                                            for a in spec))
+        embed, layers, head, spec_head = self._programs_for(run_shape)
         packed = pack_step_inputs(inputs)
         if self.mesh is None:
             packed = jax.device_put(packed)  # once: every program reads this copy
@@ -334,13 +378,19 @@ class ModelRunner:
                               self._group_layer_inputs[p])
             for t, cache in zip(tensors, caches):
                 kv_caches[t] = cache
-        token_ids, logprobs = head(self._head_leaves, x, packed)
+        if spec is None:
+            outputs = head(self._head_leaves, x, packed)
+        else:
+            assert spec_head is not None, "proposals given to a runner built without speculative decoding"
+            spec_packed = pack_step_inputs(spec)
+            spec_packed = jax.device_put(spec_packed) if self.mesh is None else put_replicated(spec_packed, self.mesh)
+            outputs = spec_head(self._head_leaves, x, packed, spec_packed)
         self.num_steps += 1
         if copies is not None and copies.persist_block_ids.size:
             copies.persist(self.pool.gather_pages(copies.persist_block_ids))
         if self.mesh is not None:  # replicated; this process's copy (one may not read others')
-            return local_value(token_ids), local_value(logprobs)
-        return np.asarray(token_ids), np.asarray(logprobs)
+            return tuple(local_value(a) for a in outputs)
+        return tuple(np.asarray(a) for a in outputs)
 
     def dummy_inputs(self, num_tokens: int, num_seqs: int) -> StepInputs:
         """A padded step of the given bucket whose tokens all write the null block."""
@@ -366,6 +416,6 @@ class ModelRunner:
         are updated in place): {"embed", "layer", "head"} -> CompiledMemoryStats. The layer
         program runs once per group of layers_per_program layers, on their caches; "layers" lists
         the program of every kind of group (layers of different structure), "layer" is the first."""
-        embed, layers, head = self._programs_for((num_tokens, num_seqs))
+        embed, layers, head, _ = self._programs_for((num_tokens, num_seqs))
         return {"embed": embed.memory_analysis(), "layer": layers[0].memory_analysis(),
                 "layers": [layer.memory_analysis() for layer in layers], "head": head.memory_analysis()}

@@ -141,6 +141,21 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:
     raise AssertionError(f"engine still busy after {max_steps} steps: the scheduler makes no progress")
 
 
+def runs_of_tokens(engine: LLMEngine, prompts, params) -> list[list[list[int]]]:
+    """Runs each prompt (with its SamplingParams) to completion; per request, the tokens each
+    of its steps emitted (one, or with speculative decoding the accepted run and one more)."""
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    runs = {f"r{i}": [] for i in range(len(prompts))}
+    seen = dict.fromkeys(runs, 0)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+            runs[out.request_id].append(tokens[seen[out.request_id]:])
+            seen[out.request_id] = len(tokens)
+    return [runs[f"r{i}"] for i in range(len(prompts))]
+
+
 def assert_no_leak(engine: LLMEngine) -> None:
     """Idle engine: every block but the null block is back in the free queue."""
     kv = engine.kv_cache_manager

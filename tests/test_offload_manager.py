@@ -51,11 +51,11 @@ def test_swap_out_keys_full_blocks_by_hash_and_the_partial_one_privately():
     table = table_of(kv, "r")
     assert kv.swap_out(r)
     h0 = r.block_hashes[0]
-    assert offload.swapped["r"].keys == [h0, ("swap", "r", 1)] and offload.swapped["r"].num_tokens == 6
+    assert offload.swapped["r"].keys == [[h0, ("swap", "r", 0, 1)]] and offload.swapped["r"].num_tokens == 6
     assert table_of(kv, "r") == [] and kv.get_num_free_blocks() == 7
     copies = apply(offload)
     assert copies.store_block_ids.tolist() == table  # both pages go down before the next step
-    assert offload.host.is_pinned(h0) and offload.host.is_pinned(("swap", "r", 1))
+    assert offload.host.is_pinned(h0) and offload.host.is_pinned(("swap", "r", 0, 1))
 
 
 def test_a_swapped_partial_block_ends_the_lookup():
@@ -78,7 +78,7 @@ def test_a_swapped_partial_block_ends_the_lookup():
     assert kv.allocate_slots(r, 14 - 6, num_hit_tokens, blocks) is not None
     copies = apply(offload)
     assert copies.load_block_ids.tolist() == table_of(kv, "r")[1:2]  # the partial page comes back
-    assert "r" not in offload.swapped and ("swap", "r", 1) not in offload.host  # consumed
+    assert "r" not in offload.swapped and ("swap", "r", 0, 1) not in offload.host  # consumed
     assert offload.stats.num_swap_ins == 1 and offload.host.num_pinned == 0
 
 

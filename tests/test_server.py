@@ -21,9 +21,10 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import pytest
 
-from engine_reference import MAX_MODEL_LEN, big_llm
+from engine_reference import MAX_MODEL_LEN, big_llm, dense_greedy
 from paged_jax.core.request import SamplingParams
 from paged_jax.engine import LLMEngine
 from paged_jax.engine_config import EngineConfig
@@ -379,3 +380,26 @@ def test_serve_runs_the_engine_in_its_own_process():
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait(30)
+
+
+def test_speculative_decoding_serves_the_plain_greedy_tokens_and_reports_its_counters(served):
+    """serve with speculative_config (prompt lookup): greedy completions equal the plain
+    server's, token for token; /metrics carries vLLM's spec_decode series."""
+    plain_url, _, _ = served
+    rng = np.random.default_rng(3)
+    start = rng.integers(0, 512, 10).tolist()
+    prompts = [start + dense_greedy([start], [30])[0][0], rng.integers(0, 512, 20).tolist()]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    with running_server(engine_args={"speculative_config": spec}) as (url, _, engine):
+        for prompt in prompts:
+            kwargs = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=1)
+            ours, plain = client(url).completions.create(**kwargs), client(plain_url).completions.create(**kwargs)
+            assert ours.choices[0].text == plain.choices[0].text
+            assert ours.choices[0].logprobs.tokens == plain.choices[0].logprobs.tokens
+        stats = engine.get_stats()
+        assert stats["spec_num_draft_tokens"] > 0
+        wait_idle(engine, url)
+        assert metric_value(url, "vllm:spec_decode_num_draft_tokens") == stats["spec_num_draft_tokens"]
+        assert metric_value(url, "vllm:spec_decode_num_accepted_tokens") == stats["spec_num_accepted_tokens"]
+        assert metric_value(url, "vllm:spec_decode_acceptance_rate_per_pos") == pytest.approx(
+            stats["spec_acceptance_rate_per_position"][0])

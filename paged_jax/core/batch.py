@@ -14,7 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from paged_jax.core.config import CacheConfig, SchedulerConfig
-from paged_jax.core.step_inputs import ModelInputs, SamplingMetadata, StepAttentionMetadata, StepInputs
+from paged_jax.core.step_inputs import (ModelInputs, SamplingMetadata, SpecDecodeMetadata, StepAttentionMetadata,
+                                       StepInputs)
 
 
 def _seed_to_u32(seed: int) -> int:
@@ -123,8 +124,10 @@ class StepInputsBuilder:
 
         rows, token_ids = [], []
         row_of, tables, num_blocks = self._row_of, self._tables, self._num_blocks
-        for request, c, n, new_ids, is_new in zip(
-            out.requests, out.num_computed_tokens, out.num_scheduled_tokens, out.new_block_ids, out.is_new
+        spec_lists = out.spec_token_ids or [()] * len(out.requests)
+        for request, c, n, new_ids, is_new, spec in zip(
+            out.requests, out.num_computed_tokens, out.num_scheduled_tokens, out.new_block_ids, out.is_new,
+            spec_lists,
         ):
             row = row_of.get(request.request_id)
             if get_block_ids is not None:
@@ -140,13 +143,40 @@ class StepInputsBuilder:
                         tables[g, row, k : k + m] = ids
                         num_blocks[g, row] = k + m
             rows.append(row)
-            if n == 1:
+            if spec:  # the last token, then the proposals
+                token_ids.extend(request.all_token_ids[c:])
+                token_ids.extend(spec)
+                assert request.num_tokens - c + len(spec) == n, "proposals scheduled without their request's token"
+            elif n == 1:
                 token_ids.append(request.all_token_ids[c])
             else:
                 token_ids.extend(request.all_token_ids[c : c + n])
-        return self._assemble(rows, token_ids, out.num_computed_tokens, out.num_scheduled_tokens)
+        num_spec = [len(spec) for spec in spec_lists] if out.spec_token_ids else None
+        return self._assemble(rows, token_ids, out.num_computed_tokens, out.num_scheduled_tokens, num_spec)
 
-    def _assemble(self, rows, token_ids, num_computed, num_scheduled) -> StepInputs:
+    def spec_metadata(self, scheduler_output, inputs: StepInputs, num_spec_tokens: int) -> SpecDecodeMetadata | None:
+        """The verification rows of a step built from scheduler_output (None when no request
+        brought proposals): each sequence's proposals and the token rows whose logits score
+        them, padded to k = num_spec_tokens per sequence (see SpecDecodeMetadata)."""
+        spec_lists = scheduler_output.spec_token_ids
+        if not any(spec_lists):
+            return None
+        s_pad = inputs.attention.seq_lens.shape[0]
+        k = num_spec_tokens
+        drafts = np.zeros((s_pad, k), np.int32)
+        num_drafts = np.zeros(s_pad, np.int32)
+        for i, spec in enumerate(spec_lists):
+            assert len(spec) <= k, f"{len(spec)} proposals for num_speculative_tokens={k}"
+            drafts[i, : len(spec)] = spec
+            num_drafts[i] = len(spec)
+        # Row j of sequence i scores position j: the last verified token's row, then each proposal's.
+        last_token = inputs.model.logits_indices  # i32[S]: each sequence's last scheduled token
+        first = last_token - num_drafts
+        logits_indices = first[:, None] + np.minimum(np.arange(k + 1, dtype=np.int32)[None, :], num_drafts[:, None])
+        return SpecDecodeMetadata(draft_token_ids=drafts, num_draft_tokens=num_drafts,
+                                  logits_indices=logits_indices.astype(np.int32))
+
+    def _assemble(self, rows, token_ids, num_computed, num_scheduled, num_spec=None) -> StepInputs:
         num_seqs, num_tokens = len(rows), len(token_ids)
         # The padded shape is a function of the batch alone (never of what has been compiled):
         # the same requests give the same inputs in every run and every process.
@@ -194,8 +224,10 @@ class StepInputsBuilder:
         top_p[:num_seqs] = self._top_p[rows]
         rng_keys = np.zeros((s_pad, 2), np.uint32)
         rng_keys[:num_seqs, 0] = self._seed[rows]
-        # The token sampled from this step is output number seq_len - num_prompt (0-based).
-        rng_keys[:num_seqs, 1] = np.maximum(seq_lens[:num_seqs] - self._num_prompt[rows], 0)
+        # The token sampled from this step is output number seq_len - num_prompt (0-based); a
+        # sequence's proposals are not output yet: its first scored position is that number.
+        verified = seq_lens[:num_seqs] if num_spec is None else seq_lens[:num_seqs] - np.asarray(num_spec, np.int32)
+        rng_keys[:num_seqs, 1] = np.maximum(verified - self._num_prompt[rows], 0)
         return StepInputs(
             ModelInputs(token_ids=tokens, positions=positions, logits_indices=logits_indices),
             StepAttentionMetadata(slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens,

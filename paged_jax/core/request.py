@@ -118,7 +118,9 @@ class Request:
     """One generation request: prompt, outputs, progress and block hashes.
 
     `num_computed_tokens` counts tokens whose K/V is in the cache (set by the scheduler);
-    `num_cached_tokens` is the prefix-cache hit of its first schedule (-1 until known).
+    `num_cached_tokens` is the prefix-cache hit of its first schedule (-1 until known);
+    `spec_token_ids` are tokens proposed for its next step (speculative decoding,
+    core/spec_decode.py): not part of its tokens until the target accepts them.
     """
 
     __slots__ = (
@@ -134,6 +136,7 @@ class Request:
         "num_computed_tokens",
         "num_cached_tokens",
         "num_preemptions",
+        "spec_token_ids",
         "block_hashes",
         "block_hasher",
         "_output_token_ids",
@@ -173,6 +176,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.spec_token_ids: list[int] = []
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(tokens)
         self.block_hashes: list[bytes] = []

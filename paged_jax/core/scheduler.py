@@ -17,7 +17,14 @@ max_num_seqs running requests.
 
 num_computed_tokens advances in schedule(), as in vLLM: the step's tokens are as good as
 computed once scheduled. A request samples when its scheduled tokens reach the end of
-its known tokens; a chunk that ends mid-prompt samples nothing. Imports no jax.
+its known tokens; a chunk that ends mid-prompt samples nothing.
+
+Speculative decoding (core/spec_decode.py): a decoding request's proposals
+(request.spec_token_ids) ride along with its last token, as many as the budget leaves room
+for; their slots are lookahead slots (never cached). update_from_output appends the tokens
+the target accepted plus its own, one at a time through the stop checks (an EOS or
+max_tokens inside an accepted run ends the request there), and rolls num_computed_tokens
+back past the rejected proposals. Imports no jax.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class SchedulerOutput:
       is_new: whether new_block_ids is a whole table (a fresh start for the request).
       preempted_req_ids: requests preempted in this step (they hold no blocks now).
       finished_req_ids: requests finished or aborted since the previous schedule().
+      spec_token_ids: per request, the proposals scheduled after its last token (the last
+        len(...) of its num_scheduled_tokens); empty for most.
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -57,6 +66,7 @@ class SchedulerOutput:
     is_new: list[bool] = field(default_factory=list)
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
+    spec_token_ids: list[list[int]] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
 
     @property
@@ -67,7 +77,9 @@ class SchedulerOutput:
     def req_ids(self) -> list[str]:
         return [r.request_id for r in self.requests]
 
-    def _add(self, request: Request, num_tokens: int, block_ids: tuple[list[int], ...], is_new: bool) -> None:
+    def _add(self, request: Request, num_tokens: int, block_ids: tuple[list[int], ...], is_new: bool,
+             spec_token_ids: list[int] = ()) -> None:
+        self.spec_token_ids.append(list(spec_token_ids))
         self.requests.append(request)
         self.num_computed_tokens.append(request.num_computed_tokens)
         self.num_scheduled_tokens.append(num_tokens)
@@ -117,6 +129,8 @@ class Scheduler:
         self.num_aborted = 0
         self.num_steps = 0
         self.peak_kv_cache_usage = 0.0
+        # Speculative decoding's counters (core/spec_decode.py), when the engine proposes.
+        self.spec_stats = None
 
     # admission
     def add_request(self, request: Request) -> None:
@@ -147,7 +161,11 @@ class Scheduler:
                 num_new = threshold
             num_new = min(num_new, budget)  # stop checks keep num_tokens <= max_model_len
             assert num_new > 0, f"{request!r} is running with nothing to compute: a missed stop check"
-            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+            spec = request.spec_token_ids
+            if spec:  # a decode's proposals, as many as the budget and the context allow
+                room = min(budget - num_new, self.max_model_len - request.num_tokens) if num_new == 1 else 0
+                spec = spec[:room] if room < len(spec) else spec
+            while (new_blocks := kv.allocate_slots(request, num_new, num_lookahead_tokens=len(spec))) is None:
                 victim = self.running.pop()  # the most recently admitted; never one already scheduled
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.request_id)
@@ -155,7 +173,9 @@ class Scheduler:
                     break
             if new_blocks is None:
                 break  # the request preempted itself, and everything after it went first
-            out._add(request, num_new, new_blocks.get_block_ids() if new_blocks else (), is_new=False)
+            num_new += len(spec)
+            out._add(request, num_new, new_blocks.get_block_ids() if new_blocks else (), is_new=False,
+                     spec_token_ids=spec)
             budget -= num_new
             i += 1
 
@@ -195,38 +215,66 @@ class Scheduler:
             self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids, logprobs=None):
-        """Appends each sampling request's token, applies the stop checks and frees the
+    def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids, logprobs=None,
+                           num_accepted=None):
+        """Appends each sampling request's tokens, applies the stop checks and frees the
         finished ones.
 
         Args:
           scheduler_output: what schedule() returned for this step.
-          sampled_token_ids: i32[>= num_seqs] (padded device output is fine); row i belongs
-            to scheduled request i; rows of requests that do not sample are ignored.
-          logprobs: optional f32[>= num_seqs], the sampled tokens' logprobs.
+          sampled_token_ids: i32[>= num_seqs] (padded device output is fine), or with
+            num_accepted i32[>= num_seqs, 1 + k] (a verification step: row i's tokens are its
+            first num_accepted[i] + 1); row i belongs to scheduled request i; rows of requests
+            that do not sample are ignored.
+          logprobs: optional, the sampled tokens' logprobs, shaped as sampled_token_ids.
+          num_accepted: i32[>= num_seqs] proposals the target accepted per row, or None (a
+            step without proposals).
         Returns:
-          list[EngineCoreOutput], one per request that got a token this step.
+          list[EngineCoreOutput], one per request that got tokens this step.
         """
         tokens = sampled_token_ids.tolist() if hasattr(sampled_token_ids, "tolist") else list(sampled_token_ids)
         if logprobs is not None and hasattr(logprobs, "tolist"):
             logprobs = logprobs.tolist()
+        if num_accepted is not None:
+            num_accepted = num_accepted.tolist() if hasattr(num_accepted, "tolist") else list(num_accepted)
+        spec_lists = scheduler_output.spec_token_ids
         outputs, any_finished = [], False
         for i, (request, samples) in enumerate(zip(scheduler_output.requests, scheduler_output.samples)):
             if not samples or request.status != RequestStatus.RUNNING:
                 continue  # mid-prompt chunk, or aborted between schedule and update
-            request.append_output_token_ids(int(tokens[i]))
-            stop_reason = self._check_stop(request)
+            request.spec_token_ids = []
+            if num_accepted is None:
+                row, row_logprobs = [tokens[i]], [logprobs[i]] if logprobs is not None else None
+            else:
+                accepted = int(num_accepted[i])
+                num_spec = len(spec_lists[i]) if spec_lists else 0
+                assert accepted <= num_spec, f"{accepted} proposals accepted of {num_spec} scheduled"
+                if num_spec:
+                    request.num_computed_tokens -= num_spec - accepted  # the rejected ones' slots
+                    if self.spec_stats is not None:
+                        self.spec_stats.record(num_spec, accepted)
+                row = tokens[i][: accepted + 1]
+                row_logprobs = logprobs[i][: accepted + 1] if logprobs is not None else None
+            new_token_ids, stop_reason = [], None
+            for token in row:
+                request.append_output_token_ids(int(token))
+                new_token_ids.append(int(token))
+                stop_reason = self._check_stop(request)
+                if request.is_finished():
+                    break
             if request.is_finished():
                 any_finished = True
                 self._free_request(request)
                 self.num_finished += 1
-            want_logprobs = logprobs is not None and request.sampling_params.logprobs
+            want_logprobs = row_logprobs is not None and request.sampling_params.logprobs
             outputs.append(EngineCoreOutput(
-                request.request_id, [request.output_token_ids[-1]], [float(logprobs[i])] if want_logprobs else None,
+                request.request_id, new_token_ids,
+                [float(x) for x in row_logprobs[: len(new_token_ids)]] if want_logprobs else None,
                 request.get_finished_reason(), stop_reason, request.num_cached_tokens,
             ))
         if any_finished:
@@ -289,4 +337,5 @@ class Scheduler:
             "num_steps": self.num_steps,
             "kv_cache_usage": self.kv_cache_manager.usage,
             "peak_kv_cache_usage": self.peak_kv_cache_usage,
+            **(self.spec_stats.as_dict() if self.spec_stats is not None else {}),
         }

@@ -62,6 +62,18 @@ class SamplingMetadata(NamedTuple):
     rng_keys: np.ndarray  # u32[S, 2]; (request seed, output index): the same draw in any batch
 
 
+class SpecDecodeMetadata(NamedTuple):
+    """A verification step's proposals (speculative decoding), per sequence, k =
+    num_speculative_tokens: what the rejection sampler reads beside SamplingMetadata.
+
+    Built only for steps where some sequence brought proposals, and passed to the program
+    that samples apart from StepInputs (the layers never read it)."""
+
+    draft_token_ids: np.ndarray  # i32[S, k]; sequence i's proposals, then padding 0
+    num_draft_tokens: np.ndarray  # i32[S]; 0 for sequences without (and padded ones)
+    logits_indices: np.ndarray  # i32[S, k + 1]; token rows scoring positions 0..k (the last real one repeated)
+
+
 class StepInputs(NamedTuple):
     """Everything one jitted step needs, and nothing else."""
 

@@ -38,6 +38,15 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=self.registry).labels(**labels)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens of a request.",
                              list(labels), buckets=ITL_BUCKETS, registry=self.registry).labels(**labels)
+        # Speculative decoding (vLLM's spec_decode counters; cumulative engine stats, mirrored).
+        self.spec_drafts = gauge("vllm:spec_decode_num_drafts", "Verification rows (requests with proposals).")
+        self.spec_draft_tokens = gauge("vllm:spec_decode_num_draft_tokens", "Proposed tokens.")
+        self.spec_accepted_tokens = gauge("vllm:spec_decode_num_accepted_tokens", "Accepted proposed tokens.")
+        self.spec_accepted_per_pos = Gauge("vllm:spec_decode_acceptance_rate_per_pos",
+                                           "Share of verification rows whose proposal at this position was "
+                                           "accepted.", ["model_name", "position"], registry=self.registry)
+        self.spec_mean_accepted_length = gauge("vllm:spec_decode_mean_acceptance_length",
+                                               "Tokens a verification row emits, on average (accepted + 1).")
         self.reserved_cpus = gauge("paged_jax:engine_reserved_cpus",
                                    "Cores the engine process leaves to the HTTP process (CPU backend).")
         self._model_name = model_name
@@ -49,6 +58,13 @@ class ServerMetrics:
         self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
         self.preemptions.set(stats["num_preemptions"])
         self.compilations.set(stats["num_compilations"])
+        if "spec_num_drafts" in stats:
+            self.spec_drafts.set(stats["spec_num_drafts"])
+            self.spec_draft_tokens.set(stats["spec_num_draft_tokens"])
+            self.spec_accepted_tokens.set(stats["spec_num_accepted_tokens"])
+            self.spec_mean_accepted_length.set(stats["spec_mean_accepted_length"])
+            for position, rate in enumerate(stats["spec_acceptance_rate_per_position"]):
+                self.spec_accepted_per_pos.labels(model_name=self._model_name, position=str(position)).set(rate)
 
     def on_tokens(self, num_tokens: int, seconds: float, first: bool) -> None:
         """num_tokens arrived for one request, `seconds` after its arrival (first) or its last token."""
