@@ -258,7 +258,9 @@ class EngineConfig:
         specs = model.kv_cache_specs(self.dtype, self.kv_cache_dtype, self.kv_cache_scaling)
         groups = kv_cache_group_specs(specs)
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
-                                    self.long_prefill_token_threshold, preemption_mode=self.preemption_mode)
+                                    self.long_prefill_token_threshold, preemption_mode=self.preemption_mode,
+                                    num_spec_tokens=0 if self.spec_config is None else
+                                    self.spec_config.num_speculative_tokens)
         num_blocks = num_blocks_for_budget(
             specs, self.block_size, groups=groups, num_blocks=self.num_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, gpu_memory_utilization=self.gpu_memory_utilization,

@@ -325,3 +325,22 @@ def test_sampled_tokens_follow_the_same_distribution_with_and_without_speculatio
     table = np.column_stack([table[:, common], rare]) if rare.any() else table[:, common]
     _, p_value, _, _ = chi2_contingency(table)
     assert p_value > 1e-3, (p_value, table)
+
+
+def test_a_verification_step_pads_to_its_own_sequences_not_its_tokens():
+    """One sequence verifying 4 proposals has 5 tokens: (8, 1), not the (8, 8) a 5-token
+    step gets without speculation (8 rows of logits, and the verification's 8 x 5); every
+    bucket a step can get is among the compiled shapes."""
+    from paged_jax.core.config import SchedulerConfig
+
+    plain = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024)
+    spec = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, num_spec_tokens=4)
+    assert plain.bucket_for(5, 1) == (8, 8) and spec.bucket_for(5, 1) == (8, 1)
+    assert spec.bucket_for(16 * 5, 16) == (128, 16) and spec.bucket_for(3 * 5, 3) == (16, 4)
+    assert spec.bucket_for(1, 1) == plain.bucket_for(1, 1) == (1, 1)
+    shapes = set(spec.bucket_shapes())
+    for num_tokens in range(1, 513):
+        for num_seqs in range(1, min(num_tokens, 16) + 1):
+            assert spec.bucket_for(num_tokens, num_seqs) in shapes
+    with pytest.raises(ValueError, match="num_spec_tokens"):
+        SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=8, max_model_len=8, num_spec_tokens=-1)

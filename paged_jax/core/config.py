@@ -172,6 +172,10 @@ class SchedulerConfig:
       preemption_mode: "recompute" (free the victim's blocks; it recomputes what the
         prefix cache lost) or "swap" (its pages go to the host tier and come back; needs
         an offload tier; recompute when the tier is full).
+      num_spec_tokens: proposals a decoding sequence may bring (speculative decoding's k;
+        0: none). A verification step has 1 + k tokens per sequence, so a step of T tokens
+        pads its sequences to at least T // (1 + k) rather than T: one sequence verifying 4
+        proposals runs in an (8, 1) bucket, not (8, 8) (8 rows of logits for 1).
     """
 
     max_num_seqs: int
@@ -181,6 +185,7 @@ class SchedulerConfig:
     min_token_bucket: int = MIN_TOKEN_BUCKET
     min_seq_bucket: int = MIN_SEQ_BUCKET
     preemption_mode: str = "recompute"
+    num_spec_tokens: int = 0
 
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -191,6 +196,7 @@ class SchedulerConfig:
         check_int("min_seq_bucket", self.min_seq_bucket, 1)
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
+        check_int("num_spec_tokens", self.num_spec_tokens, 0, "0 without speculative decoding")
 
     @property
     def token_buckets(self) -> list[int]:
@@ -205,9 +211,9 @@ class SchedulerConfig:
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The (T, S) a step of num_tokens tokens over num_seqs sequences pads to: T the
         smallest token bucket >= num_tokens, S the smallest sequence bucket >= num_seqs and
-        >= min(T, min_seq_bucket). A function of the batch alone."""
+        >= min(max(1, T // (1 + num_spec_tokens)), min_seq_bucket). A function of the batch alone."""
         t = next(b for b in self.token_buckets if b >= num_tokens)
-        floor = max(num_seqs, min(t, self.min_seq_bucket))
+        floor = max(num_seqs, min(max(1, t // (1 + self.num_spec_tokens)), self.min_seq_bucket))
         s = next((b for b in self.seq_buckets if b >= floor), self.max_num_seqs)
         return t, s
 
