@@ -22,12 +22,14 @@ from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.kv_events import KVEventLog
 from paged_jax.core.request import Request, SamplingParams
 from paged_jax.core.scheduler import Scheduler
-from paged_jax.core.spec_decode import SpecDecodeStats, propose_ngram
+from paged_jax.core.spec_decode import SpecDecodeStats, proposal_budget, propose_ngram
 from paged_jax.core.tokenizer import Tokenizer
+from paged_jax.draft_proposer import DraftModelProposer, check_draft_model
 from paged_jax.engine_config import EngineConfig
 from paged_jax.multiprocess import check_multiprocess_config
 from paged_jax.offload_tiers import build_offload_manager
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from paged_jax.kv_pool import KVPool
 from paged_jax.runner import ModelRunner
 from paged_jax.sharding import check_tensor_parallel, make_mesh, param_placer
 
@@ -39,8 +41,11 @@ class LLMEngine:
     _shut_down = False  # set by shutdown(); no new requests afterwards
 
     def __init__(self, config: EngineConfig, model=None, tokenizer: Tokenizer | None = None, *,
-                 warm_up_progress=None, devices=None):
+                 warm_up_progress=None, devices=None, draft_model=None):
         """Loads the model (unless given), sizes the pool and compiles as config.warm_up says.
+
+        draft_model: the draft of speculative_config method 'draft_model' as a loaded model
+        (default: loaded from the config's speculative_config model, as `model` is).
 
         warm_up_progress: optional callable(num_compiled, num_buckets), called after each
         bucket compiles (from the warm-up thread too, in "background" mode).
@@ -66,9 +71,14 @@ class LLMEngine:
         mc = self.model.config
         local_device = None if self.mesh is None else next(
             d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
-        self.resolved_config = c.resolve(self.model, local_device)
+        self.draft_model = self._draft_model(draft_model)
+        self.resolved_config = c.resolve(self.model, local_device, self.draft_model)
         self.cache_config, self.scheduler_config = self.resolved_config.cache, self.resolved_config.scheduler
-        self.runner = ModelRunner(self.model, self.resolved_config, mesh=self.mesh)
+        pool = None
+        if self.draft_model is not None:  # one pool holds both models' layers
+            pool = KVPool(c.kv_cache_specs(self.model, self.draft_model), self.cache_config, self.mesh,
+                          kv_scales=c.kv_scales, kv_key_offsets=c.kv_key_offsets)
+        self.runner = ModelRunner(self.model, self.resolved_config, mesh=self.mesh, pool=pool)
         self.kv_events = KVEventLog(kv_cache_groups=self.cache_config.kv_cache_groups,
                                     hash_nbytes=digest_nbytes(self.cache_config.hash_algo)) if c.enable_kv_events else None
         self.offload = build_offload_manager(c, self.cache_config, self.runner.pool, self.model, self.kv_events)
@@ -80,6 +90,9 @@ class LLMEngine:
         if self.spec_config is not None:
             self.scheduler.spec_stats = SpecDecodeStats(self.spec_config.num_speculative_tokens)
         self.input_builder = StepInputsBuilder(self.cache_config, self.scheduler_config, seed=c.seed)
+        self.drafter = None if self.draft_model is None else DraftModelProposer(
+            self.draft_model, self.resolved_config, self.runner.pool, len(self.model.layers), self.input_builder,
+            self.mesh)
         # Generation stops on any of the model's EOS ids (Llama 3 instruct lists several).
         eos_ids = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
         self._eos_token_id = eos_ids[0] if eos_ids else None
@@ -95,8 +108,28 @@ class LLMEngine:
         warm_up = c.warm_up
         if warm_up == "full":
             self.runner.warm_up(progress)
+            if self.drafter is not None:
+                self.drafter.runner.warm_up()
         elif warm_up == "background":
             self.runner.start_warm_up(progress=progress)
+            if self.drafter is not None:
+                self.drafter.runner.start_warm_up()
+
+    def _draft_model(self, draft_model):
+        """The draft model of speculative_config method 'draft_model' (given, or loaded as the
+        target is, in its weight format), checked against the target; None for other methods."""
+        spec = self.config.spec_config
+        if spec is None or spec.method != "draft_model":
+            if draft_model is not None:
+                raise ValueError("draft_model= is the draft of speculative_config method='draft_model'; set "
+                                 "speculative_config={'method': 'draft_model', 'model': ..., "
+                                 "'num_speculative_tokens': k} or drop it")
+            return None
+        if draft_model is None:
+            c = self.config
+            draft_model = load_model(spec.model, dtype=c.dtype, seed=c.seed, weight_dtype=c.weight_dtype)
+        check_draft_model(draft_model, self.model, spec.model)
+        return draft_model
 
     # requests
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
@@ -178,6 +211,8 @@ class LLMEngine:
             return
         self._shut_down = True
         self.runner.stop()
+        if self.drafter is not None:
+            self.drafter.runner.stop()
         if self.offload is not None and self.offload.disk is not None:
             self.offload.disk.close()
 
@@ -197,20 +232,21 @@ class LLMEngine:
             token_ids, logprobs, num_accepted = self.runner.execute(inputs, copies, spec)
         core_outputs = self.scheduler.update_from_output(scheduler_output, token_ids, logprobs, num_accepted)
         if self.spec_config is not None:
-            self._propose()
+            self._propose(scheduler_output)
         return self._make_outputs(core_outputs)
 
-    def _propose(self) -> None:
-        """Prompt lookup for every decoding request (core/spec_decode.py): at most k tokens,
-        and no more than its max_tokens and max_model_len leave room for (the target's own
-        token comes after the accepted ones)."""
+    def _propose(self, scheduler_output) -> None:
+        """Proposals for every decoding request (core/spec_decode.py), at most proposal_budget
+        of them: the draft model's passes after this step, or prompt lookup."""
+        if self.drafter is not None:
+            self.drafter.propose(scheduler_output)
+            return
         spec = self.spec_config
         max_model_len = self.cache_config.max_model_len
         for request in self.scheduler.running:
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue  # still prefilling
-            k = min(spec.num_speculative_tokens, max_model_len - request.num_tokens,
-                    request.max_tokens - request.num_output_tokens - 1)
+            k = proposal_budget(request, spec.num_speculative_tokens, max_model_len)
             request.spec_token_ids = propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min,
                                                    spec.prompt_lookup_max)
 
@@ -247,7 +283,9 @@ class LLMEngine:
             "prefix_cache_queries": prefix.queries,
             "prefix_cache_hits": prefix.hits,
             "prefix_cache_hit_rate": prefix.hit_rate,
-            "num_compilations": self.runner.num_compilations,
+            # the draft model's buckets count too (its runner compiles its own)
+            "num_compilations": self.runner.num_compilations + (
+                self.drafter.runner.num_compilations if self.drafter is not None else 0),
             "num_generated_tokens": self.num_generated_tokens,
             "num_blocks": self.cache_config.num_blocks,
             "kv_cache_bytes": self.runner.pool.kv_cache_bytes,

@@ -149,7 +149,9 @@ class EngineConfig:
     speculative_config: dict | str | None = knob(
         None, "speculative decoding, vLLM's speculative_config as a dict (JSON on the command line), e.g. "
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} '
-        "(prompt lookup: propose what followed the latest earlier occurrence of the last n tokens)", group=SPEC)
+        "(prompt lookup: propose what followed the latest earlier occurrence of the last n tokens), or "
+        '{"method": "draft_model", "model": "<a smaller model, same vocabulary>", "num_speculative_tokens": 4}',
+        group=SPEC)
     # resolved in __post_init__, not set by the caller: the offload tiers' config, built (and
     # validated) once from the offload_* fields; None without a host tier.
     offload_config: OffloadConfig | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
@@ -197,6 +199,10 @@ class EngineConfig:
         object.__setattr__(self, "spec_config", spec)
         if isinstance(self.speculative_config, dict):  # the config stays hashable like its other fields
             object.__setattr__(self, "speculative_config", json.dumps(self.speculative_config, sort_keys=True))
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config method='draft_model' with tensor_parallel_size="
+                             f"{self.tensor_parallel_size}: a draft model runs on one device in this engine; use "
+                             "tensor_parallel_size=1, or method='ngram'")
         if self.dtype is not None:
             try:
                 # numpy knows "bfloat16" once ml_dtypes is imported; its floats are kind "V".
@@ -243,10 +249,20 @@ class EngineConfig:
         if not isinstance(self.enable_kv_events, bool):
             raise ValueError(f"enable_kv_events={self.enable_kv_events!r} must be True or False")
 
-    def resolve(self, model, device=None) -> ResolvedConfig:
+    def kv_cache_specs(self, model, draft_model=None) -> tuple:
+        """Every layer's cache spec in the pool, in this config's KV format: the model's
+        layers, then a draft model's (its layers are pool layers len(model.layers) on)."""
+        specs = tuple(model.kv_cache_specs(self.dtype, self.kv_cache_dtype, self.kv_cache_scaling))
+        if draft_model is not None:
+            specs += tuple(draft_model.kv_cache_specs(self.dtype, self.kv_cache_dtype, self.kv_cache_scaling))
+        return specs
+
+    def resolve(self, model, device=None, draft_model=None) -> ResolvedConfig:
         """What this config means for a loaded model on this device (`device`: the first of
         the engine's mesh; the pool is sized per device, see num_blocks_for_budget): the
-        max_model_len, the pool's blocks and KV-cache groups, the step limits."""
+        max_model_len, the pool's blocks and KV-cache groups, the step limits. A draft model
+        (speculative decoding's) adds its layers to the pool (kv_cache_specs) and its
+        num_speculative_tokens lookahead slots to every allocation."""
         mc = model.config
         max_model_len = self.max_model_len or min(mc.max_position_embeddings, DEFAULT_MAX_MODEL_LEN_CAP)
         if max_model_len > mc.max_position_embeddings:
@@ -255,12 +271,16 @@ class EngineConfig:
         from models.kv_cache_spec import kv_cache_group_specs
         from paged_jax.kv_pool import num_blocks_for_budget  # device-side: sizes the pool in bytes
 
-        specs = model.kv_cache_specs(self.dtype, self.kv_cache_dtype, self.kv_cache_scaling)
+        if draft_model is not None and max_model_len > draft_model.config.max_position_embeddings:
+            raise ValueError(f"speculative_config model={self.spec_config.model!r} holds "
+                             f"{draft_model.config.max_position_embeddings} positions, fewer than max_model_len="
+                             f"{max_model_len}; lower max_model_len or use a draft with a longer context")
+        specs = self.kv_cache_specs(model, draft_model)
         groups = kv_cache_group_specs(specs)
+        k = 0 if self.spec_config is None else self.spec_config.num_speculative_tokens
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
                                     self.long_prefill_token_threshold, preemption_mode=self.preemption_mode,
-                                    num_spec_tokens=0 if self.spec_config is None else
-                                    self.spec_config.num_speculative_tokens)
+                                    num_spec_tokens=k, num_lookahead_tokens=0 if draft_model is None else k)
         num_blocks = num_blocks_for_budget(
             specs, self.block_size, groups=groups, num_blocks=self.num_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, gpu_memory_utilization=self.gpu_memory_utilization,

@@ -98,6 +98,10 @@ class ModelRunner:
       mesh: a jax.sharding.Mesh with a "tp" axis (paged_jax/sharding.py): weights and the pool
         are placed split over it, the attention backends run per shard and every step input
         is replicated. None: everything on the default device (the single-device programs).
+      pool: a KVPool to run in (a draft model's runner shares the target's); None: a new
+        one, of the model's layers (config.engine.kv_cache_specs).
+      first_layer: the pool layer of the model's layer 0 (a draft's layers follow the
+        target's in the pool: len(target.layers)).
 
     Attributes:
       pool: the KVPool (the caches and what is known of them).
@@ -105,7 +109,7 @@ class ModelRunner:
       attention_backends: one per KV-cache group, for its spec; `attention` is the first.
     """
 
-    def __init__(self, model, config: ResolvedConfig, *, mesh=None):
+    def __init__(self, model, config: ResolvedConfig, *, mesh=None, pool: KVPool | None = None, first_layer: int = 0):
         self.resolved_config = config
         self.cache_config, self.scheduler_config = cache_config, scheduler_config = config.cache, config.scheduler
         engine = config.engine  # the device-side knobs
@@ -113,10 +117,17 @@ class ModelRunner:
         self.mesh = mesh
         if mesh is not None:
             check_tensor_parallel(model, mesh.shape[TP_AXIS])
-        specs = model.kv_cache_specs(engine.dtype, engine.kv_cache_dtype, engine.kv_cache_scaling)
-        self.pool = KVPool(specs, cache_config, mesh, kv_scales=engine.kv_scales,
-                           kv_key_offsets=engine.kv_key_offsets)
-        pool = self.pool
+        if pool is None:
+            pool = KVPool(engine.kv_cache_specs(model), cache_config, mesh, kv_scales=engine.kv_scales,
+                          kv_key_offsets=engine.kv_key_offsets)
+        self.pool = pool
+        num_layers = len(model.layers)
+        if not 0 <= first_layer <= len(pool.specs) - num_layers:
+            raise ValueError(f"first_layer={first_layer}: the pool has {len(pool.specs)} layers, the model "
+                             f"{num_layers}")
+        # This model's layers in the pool: what they read (their group's table) and write.
+        layer_group = pool.layer_kv_cache_group[first_layer : first_layer + num_layers]
+        layer_tensor = pool.layer_tensor[first_layer : first_layer + num_layers]
         self.tensor_parallel_size = pool.tensor_parallel_size
         # One backend per group (its spec's), the one its layers call.
         self.attention_backends = [make_attention_backend(spec, engine.attention_impl, interpret=engine.interpret)
@@ -126,7 +137,6 @@ class ModelRunner:
                                        for a in self.attention_backends]
         self.attention = self.attention_backends[0]  # the first group's (the only one's, for most models)
         self.attention_impl = self.attention.name
-        num_layers = len(model.layers)
         layers_per_program = engine.layers_per_program
         if layers_per_program is None:
             layers_per_program = _default_layers_per_program(num_layers)
@@ -146,15 +156,15 @@ class ModelRunner:
                         for params in self.layer_params]
         # The caches a program takes (donated), in order of first use by its layers: one per
         # layer, or fewer where KV-cache groups share them (KVPool.layer_tensor).
-        self._program_tensors = [tuple(dict.fromkeys(pool.layer_tensor[i : i + k])) for i in range(0, num_layers, k)]
-        kinds = [(tuple(graphdefs[i : i + k]), tuple(pool.layer_kv_cache_group[i : i + k]),
-                  tuple(tensors.index(t) for t in pool.layer_tensor[i : i + k]), tuple(weight_types[i : i + k]))
+        self._program_tensors = [tuple(dict.fromkeys(layer_tensor[i : i + k])) for i in range(0, num_layers, k)]
+        kinds = [(tuple(graphdefs[i : i + k]), tuple(layer_group[i : i + k]),
+                  tuple(tensors.index(t) for t in layer_tensor[i : i + k]), tuple(weight_types[i : i + k]))
                  for i, tensors in zip(range(0, num_layers, k), self._program_tensors)]
         self._group_graphdefs = list(dict.fromkeys(kinds))  # distinct kinds of group, first seen first
         self._group_kind = [self._group_graphdefs.index(kind) for kind in kinds]
         # Each group's layer inputs (a quantized pool's static inputs), sliced once, not per step.
-        self._group_layer_inputs = [{name: a[i : i + k] for name, a in pool.layer_inputs.items()}
-                                    for i in range(0, num_layers, k)]
+        self._group_layer_inputs = [{name: a[first_layer + i : first_layer + i + k]
+                                     for name, a in pool.layer_inputs.items()} for i in range(0, num_layers, k)]
         self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
         if mesh is not None:
             # New arrays on the mesh (no-ops for weights a loader already placed there); the

@@ -1,11 +1,13 @@
-"""Speculative decoding (prompt lookup) on SmolLM2-135M-Instruct, the real model.
+"""Speculative decoding (prompt lookup, and a draft model) on SmolLM2-135M-Instruct, the real model.
 
 "Rewrite this passage with one change" over passages of Python's docs: the answers copy the
 passage, so proposals are long and mostly accepted, and they bring tokens the output has not
 had yet. Greedy outputs with speculation are the plain engine's, token for token (the same
 loaded model); a stop token that falls inside an accepted run (a step that accepted
 proposals past it) ends the request exactly where plain decoding ends it (EOS takes the same
-per-token check: tests/test_spec_decode.py).
+per-token check: tests/test_spec_decode.py). With SmolLM2 as its own draft model (no smaller
+model of its tokenizer ships offline) the greedy outputs are the plain engine's too, and the
+draft's KV, written into the target's blocks, keeps it agreeing with the target.
 """
 
 import numpy as np
@@ -32,6 +34,20 @@ def engines():
     yield plain, spec
     plain.shutdown()
     spec.shutdown()
+
+
+def test_smollm2_as_its_own_draft_model_gives_the_plain_greedy_outputs(engines):
+    plain, _ = engines
+    draft = {"method": "draft_model", "model": MODEL, "num_speculative_tokens": 3}
+    engine = LLMEngine(EngineConfig(**SETTINGS, speculative_config=draft), model=plain.model,
+                       tokenizer=plain.tokenizer, draft_model=plain.model)
+    prompts = rewrite_prompts(plain)[:2]
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    reference = [sum(r, []) for r in runs_of_tokens(plain, prompts, [greedy] * len(prompts))]
+    assert [sum(r, []) for r in runs_of_tokens(engine, prompts, [greedy] * len(prompts))] == reference
+    assert engine.get_stats()["spec_acceptance_rate"] > 0.9, engine.get_stats()
+    assert_no_leak(engine)
+    engine.shutdown()
 
 
 def rewrite_prompts(engine) -> list[list[int]]:

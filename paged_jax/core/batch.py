@@ -176,13 +176,29 @@ class StepInputsBuilder:
         return SpecDecodeMetadata(draft_token_ids=drafts, num_draft_tokens=num_drafts,
                                   logits_indices=logits_indices.astype(np.int32))
 
-    def _assemble(self, rows, token_ids, num_computed, num_scheduled, num_spec=None) -> StepInputs:
+    def draft_inputs(self, request_ids, token_lists, starts, scheduler_config: SchedulerConfig) -> StepInputs:
+        """Greedy inputs of a draft model's pass over live rows (their block tables as the last
+        build() left them): sequence i computes token_lists[i] at positions starts[i] on and
+        samples after its last one; padded to scheduler_config's buckets (the draft runner's)."""
+        rows = [self._row_of[request_id] for request_id in request_ids]
+        token_ids = [t for tokens in token_lists for t in tokens]
+        inputs = self._assemble(rows, token_ids, starts, [len(tokens) for tokens in token_lists],
+                                scheduler_config=scheduler_config)
+        sampling = inputs.sampling
+        return inputs._replace(sampling=sampling._replace(temperature=np.zeros_like(sampling.temperature)))
+
+    def _assemble(self, rows, token_ids, num_computed, num_scheduled, num_spec=None,
+                  scheduler_config: SchedulerConfig | None = None) -> StepInputs:
         num_seqs, num_tokens = len(rows), len(token_ids)
+        token_buckets, seq_buckets, bucket_for = self.token_buckets, self.seq_buckets, self.bucket_for
+        if scheduler_config is not None:  # another runner's buckets (a draft model's)
+            token_buckets, seq_buckets = scheduler_config.token_buckets, scheduler_config.seq_buckets
+            bucket_for = scheduler_config.bucket_for
         # The padded shape is a function of the batch alone (never of what has been compiled):
         # the same requests give the same inputs in every run and every process.
-        assert num_tokens <= self.token_buckets[-1] and num_seqs <= self.seq_buckets[-1], \
+        assert num_tokens <= token_buckets[-1] and num_seqs <= seq_buckets[-1], \
             f"{num_tokens} tokens / {num_seqs} sequences exceed the largest bucket: scheduler limits and buckets disagree"
-        t_pad, s_pad = self.bucket_for(num_tokens, num_seqs)
+        t_pad, s_pad = bucket_for(num_tokens, num_seqs)
         bs = self.block_size
         rows = np.asarray(rows, np.intp)
         computed = np.asarray(num_computed, np.int32)

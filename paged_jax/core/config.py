@@ -176,6 +176,9 @@ class SchedulerConfig:
         0: none). A verification step has 1 + k tokens per sequence, so a step of T tokens
         pads its sequences to at least T // (1 + k) rather than T: one sequence verifying 4
         proposals runs in an (8, 1) bucket, not (8, 8) (8 rows of logits for 1).
+      num_lookahead_tokens: slots reserved past every request's scheduled tokens (vLLM's
+        num_lookahead_tokens): a draft model writes its KV for its next proposals there within
+        the step (its k; 0 without a draft model). Capped at max_model_len, never cached.
     """
 
     max_num_seqs: int
@@ -186,6 +189,7 @@ class SchedulerConfig:
     min_seq_bucket: int = MIN_SEQ_BUCKET
     preemption_mode: str = "recompute"
     num_spec_tokens: int = 0
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -197,6 +201,7 @@ class SchedulerConfig:
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
         check_int("num_spec_tokens", self.num_spec_tokens, 0, "0 without speculative decoding")
+        check_int("num_lookahead_tokens", self.num_lookahead_tokens, 0, "0 without a draft model")
 
     @property
     def token_buckets(self) -> list[int]:

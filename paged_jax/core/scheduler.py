@@ -24,7 +24,9 @@ Speculative decoding (core/spec_decode.py): a decoding request's proposals
 for; their slots are lookahead slots (never cached). update_from_output appends the tokens
 the target accepted plus its own, one at a time through the stop checks (an EOS or
 max_tokens inside an accepted run ends the request there), and rolls num_computed_tokens
-back past the rejected proposals. Imports no jax.
+back past the rejected proposals. With a draft model every allocation also reserves
+SchedulerConfig.num_lookahead_tokens slots past the scheduled tokens, where the draft writes
+its KV while it proposes for the next step. Imports no jax.
 """
 
 from __future__ import annotations
@@ -165,7 +167,8 @@ class Scheduler:
             if spec:  # a decode's proposals, as many as the budget and the context allow
                 room = min(budget - num_new, self.max_model_len - request.num_tokens) if num_new == 1 else 0
                 spec = spec[:room] if room < len(spec) else spec
-            while (new_blocks := kv.allocate_slots(request, num_new, num_lookahead_tokens=len(spec))) is None:
+            lookahead = len(spec) + self._draft_lookahead(request.num_computed_tokens + num_new + len(spec))
+            while (new_blocks := kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)) is None:
                 victim = self.running.pop()  # the most recently admitted; never one already scheduled
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.request_id)
@@ -187,7 +190,8 @@ class Scheduler:
             if 0 < threshold < num_new:
                 num_new = threshold
             num_new = min(num_new, budget)
-            if kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks) is None:
+            lookahead = self._draft_lookahead(num_hit_tokens + num_new)
+            if kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks, lookahead) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             lost = self._num_lost_tokens.pop(request.request_id, 0)
@@ -206,6 +210,11 @@ class Scheduler:
         # Usage peaks here: this step's blocks are allocated, finished requests not yet freed.
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, kv.usage)
         return out
+
+    def _draft_lookahead(self, num_tokens: int) -> int:
+        """Slots a draft model needs past a request's first num_tokens (its scheduled ones):
+        num_lookahead_tokens, capped at max_model_len."""
+        return max(0, min(self.config.num_lookahead_tokens, self.max_model_len - num_tokens))
 
     def _preempt(self, request: Request) -> None:
         self._num_lost_tokens[request.request_id] = request.num_computed_tokens

@@ -12,6 +12,14 @@ The n-gram proposer is vLLM's prompt lookup (`method: "ngram"`): find the latest
 occurrence of the request's last n tokens (n from prompt_lookup_max down to
 prompt_lookup_min, longest first) and propose the tokens that followed it. Nothing matches:
 nothing is proposed, and the request decodes as it would without speculation.
+
+The draft-model proposer (`method: "draft_model"`, paged_jax/draft_proposer.py) runs a
+smaller model of the same vocabulary whose layers live in the target's KV pool: its layers are
+layers of the pool (a KV-cache group of their own, or the target's group when their specs are
+equal, as vLLM groups them), so its pages share the target's block tables and blocks. The
+scheduler reserves num_lookahead_tokens = k slots past every request's scheduled tokens for
+the draft's own proposals (SchedulerConfig.num_lookahead_tokens). Its proposals are its
+greedy tokens: a point-mass draft, which the rejection sampler keeps exact.
 Imports no jax.
 """
 
@@ -32,12 +40,13 @@ class SpeculativeConfig:
     """vLLM's speculative_config, validated.
 
     Attributes:
-      method: "ngram" (prompt lookup). "draft_model" is a known method this engine does not
-        run yet (a ValueError says so).
+      method: "ngram" (prompt lookup) or "draft_model" (a smaller model proposes).
       num_speculative_tokens: k, the most tokens proposed per step (>= 1).
       prompt_lookup_min: the shortest suffix n-gram matched (>= 1).
       prompt_lookup_max: the longest (>= prompt_lookup_min).
-      model: the draft model (method "draft_model" only).
+      model: the draft model (method "draft_model" only, and required there): any `model=`
+        the engine takes ("tiny", a named model, a .gguf file, a HF directory), with the
+        target's vocabulary (the engine checks its vocab_size when it loads it).
     """
 
     method: str = "ngram"
@@ -50,9 +59,10 @@ class SpeculativeConfig:
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config method={self.method!r} is unknown; use one of {SPEC_METHODS}")
         if self.method == "draft_model":
-            raise ValueError("speculative_config method='draft_model' is not built in this engine yet; use "
-                             "method='ngram' (prompt lookup)")
-        if self.model is not None:
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(f"speculative_config model={self.model!r}: method='draft_model' needs the draft "
+                                 "model's name or path (a smaller model with the target's tokenizer)")
+        elif self.model is not None:
             raise ValueError(f"speculative_config model={self.model!r} is for method='draft_model'; prompt lookup "
                              f"(method='ngram') needs no model")
         check_int("num_speculative_tokens", self.num_speculative_tokens, 1, "propose at least one token per step")
@@ -82,6 +92,13 @@ class SpeculativeConfig:
         if "method" not in value:
             raise ValueError("speculative_config needs a 'method' (one of " f"{SPEC_METHODS})")
         return cls(**value)
+
+
+def proposal_budget(request, k: int, max_model_len: int) -> int:
+    """How many tokens to propose for a decoding request: at most k, and no more than its
+    max_tokens and max_model_len leave room for (the target's own token follows the accepted
+    ones, so a request one token from its end gets none)."""
+    return max(0, min(k, max_model_len - request.num_tokens, request.max_tokens - request.num_output_tokens - 1))
 
 
 def propose_ngram(token_ids, k: int, min_n: int, max_n: int) -> list[int]:
