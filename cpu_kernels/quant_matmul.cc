@@ -198,6 +198,74 @@ void avx_q8_0_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[
 }
 #endif
 
+#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 (no AVX-512): the same tiles, each 64-byte load as two 32-byte halves of 8 rows. A
+// half's accumulators are r x (2 chains + 1) registers of the 16, so the halves run one after
+// the other over the tile (its bytes are in L1 by the second).
+inline __m256 load_f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+template <int r>
+void avx2_q4_1_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m256i nibble = _mm256_set1_epi32(15);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[r];
+    for (int i = 0; i < r; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = tile + b * 320;
+      const __m256 d = load_f16x8(p + 16 * h), m = load_f16x8(p + 32 + 16 * h);
+      __m256 part[r][2];
+      for (int i = 0; i < r; ++i) part[i][0] = part[i][1] = _mm256_setzero_ps();
+      for (int L = 0; L < 4; ++L) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 64 + 64 * L + 32 * h));
+        for (int u = 0; u < 4; ++u) {
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * u), nibble));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * u + 4), nibble));
+          for (int i = 0; i < r; ++i) {
+            const float* xb = wk.x + (i0 + i) * wk.k + b * kBlock;
+            part[i][0] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xb[4 * L + u]), part[i][0]);
+            part[i][1] = _mm256_fmadd_ps(hi, _mm256_set1_ps(xb[16 + 4 * L + u]), part[i][1]);
+          }
+        }
+      }
+      for (int i = 0; i < r; ++i) {
+        acc[i] = _mm256_fmadd_ps(_mm256_add_ps(part[i][0], part[i][1]), d, acc[i]);
+        acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(wk.xsum[(i0 + i) * nb + b]), acc[i]);
+      }
+    }
+    for (int i = 0; i < r; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
+  }
+}
+
+template <int r>
+void avx2_q8_0_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[r];
+    for (int i = 0; i < r; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = tile + b * 544;
+      const __m256 d = load_f16x8(p + 16 * h);
+      __m256 part[r][2];
+      for (int i = 0; i < r; ++i) part[i][0] = part[i][1] = _mm256_setzero_ps();
+      for (int L = 0; L < 8; ++L) {
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 + 64 * L + 32 * h)), flip);
+        for (int u = 0; u < 4; ++u) {
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * u), 24));
+          for (int i = 0; i < r; ++i) {
+            const float* xb = wk.x + (i0 + i) * wk.k + b * kBlock;
+            part[i][u & 1] = _mm256_fmadd_ps(q, _mm256_set1_ps(xb[4 * L + u]), part[i][u & 1]);
+          }
+        }
+      }
+      for (int i = 0; i < r; ++i) acc[i] = _mm256_fmadd_ps(_mm256_add_ps(part[i][0], part[i][1]), d, acc[i]);
+    }
+    for (int i = 0; i < r; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
+  }
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -265,7 +333,7 @@ void avx_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[k
 }
 #endif
 
-// The kernel of each (format, activations): the AVX-512 loops where this build has them,
+// The kernel of each (format, activations): the AVX-512 (f32 activations: or AVX2) loops where this build has them,
 // with r (the rows of x) a template argument so that their accumulators stay in registers.
 #define PJ_TILE_DOT(format, acts, fn, available)                                                     \
   template <>                                                                                       \
@@ -281,9 +349,17 @@ void avx_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[k
   }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-constexpr bool kHasAvx512 = true;
+constexpr bool kHasF32Simd = true;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool kHasF32Simd = true;  // the AVX2 loops stand in (same tiles, half a tile per register)
+template <int r> void avx_q4_1_f32(const Work& wk, const uint8_t* t, int64_t i0, float (*o)[kTile]) {
+  avx2_q4_1_f32<r>(wk, t, i0, o);
+}
+template <int r> void avx_q8_0_f32(const Work& wk, const uint8_t* t, int64_t i0, float (*o)[kTile]) {
+  avx2_q8_0_f32<r>(wk, t, i0, o);
+}
 #else
-constexpr bool kHasAvx512 = false;
+constexpr bool kHasF32Simd = false;
 template <int r> void avx_q4_1_f32(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
 template <int r> void avx_q8_0_f32(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
 #endif
@@ -295,8 +371,8 @@ template <int r> void avx_q4_1_i8(const Work&, const uint8_t*, int64_t, float (*
 template <int r> void avx_q8_0_i8(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
 #endif
 
-PJ_TILE_DOT(kQ4_1, kF32, avx_q4_1_f32, kHasAvx512)
-PJ_TILE_DOT(kQ8_0, kF32, avx_q8_0_f32, kHasAvx512)
+PJ_TILE_DOT(kQ4_1, kF32, avx_q4_1_f32, kHasF32Simd)
+PJ_TILE_DOT(kQ8_0, kF32, avx_q8_0_f32, kHasF32Simd)
 PJ_TILE_DOT(kQ4_1, kI8, avx_q4_1_i8, kHasVnni)
 PJ_TILE_DOT(kQ8_0, kI8, avx_q8_0_i8, kHasVnni)
 

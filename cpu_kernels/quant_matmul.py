@@ -16,7 +16,9 @@ inverse). A tile is 16 rows' bytes, rearranged: a tiled weight is exactly as lar
 GGUF's rows (padded to a multiple of 16 rows).
 
 On a CPU the matmul is a native kernel (quant_matmul.cc, an XLA FFI custom call compiled with
-the machine's compiler on first use and cached: cpu_kernels/native.py): it reads
+the machine's compiler on first use and cached: cpu_kernels/native.py; its f32-activation
+loops use AVX-512, or AVX2 + FMA + F16C on a CPU without it, as two 8-row halves of each
+tile; int8 activations need AVX-512 VNNI, else a portable loop serves): it reads
 each tile once per four rows of x and never writes a dequantized copy, so a decode step reads
 the format's bytes, not f32's. XLA:CPU has no such kernel of its own: a bf16 or int8 dot runs
 as a naive loop, ~8x slower than the f32 dot, and a fused convert-multiply-reduce reaches
