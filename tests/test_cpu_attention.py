@@ -143,6 +143,51 @@ def test_windowed_kernel_inside_the_xla_path_matches_its_loop(sliding_window, mo
     np.testing.assert_allclose(native, loop, **TOLERANCE[jnp.float32])
 
 
+def test_token_rows_make_each_query_token_a_decode_row():
+    """Two sequences, 3 tokens at positions 4..6 and 1 at position 9, in a 6-token bucket:
+    4 rows of their own (keys 0..p through their sequence's table), padding rows left out."""
+    from pallas_kernels.ragged_batch import ragged_batch
+    from paged_jax.attention.xla import token_rows
+
+    tables = jnp.array([[3, 4, 0], [7, 0, 0], [0, 0, 0]], jnp.int32)
+    batch = ragged_batch(jnp.array([7, 10, 0]), jnp.array([0, 3, 4, 4]), jnp.array(2))
+    rows, lens, qsl, num = token_rows(tables, batch, 6)
+    assert lens.tolist() == [5, 6, 7, 10, 0, 0] and int(num) == 4 and qsl.tolist() == list(range(7))
+    assert rows[:4].tolist() == [[3, 4, 0]] * 3 + [[7, 0, 0]]
+
+
+@needs_native
+@pytest.mark.parametrize("sliding_window", [None, 6, 40])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_short_query_batches_run_as_decode_rows(sliding_window, dtype, monkeypatch):
+    """A speculative verification step's shape: sequences of 1 to 8 query tokens (decodes,
+    1 + k proposals, a short chunk) over contexts of 2 to 300 keys. On a CPU every token runs as
+    a native decode row (xla.SHORT_QUERY_ROWS); it equals the float64 reference and the XLA loop,
+    and a batch with a 9-token sequence takes the blocked path and agrees too."""
+    from paged_jax.attention import xla
+
+    for q_lens, seq_lens in (([5, 1, 3, 8, 2], [300, 40, 17, 129, 2]), ([9, 1], [60, 33])):
+        rng = np.random.default_rng(len(q_lens))
+        batch = build_batch(rng, q_lens, seq_lens, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                            dtype=dtype, num_tokens=32, max_num_seqs=6, max_blocks_per_seq=20)
+        if sliding_window is not None:  # keys wholly before every row's window are NaN
+            firsts = [max(0, n - q - sliding_window + 1) for q, n in zip(q_lens, seq_lens)]
+            batch = _poison_before(batch, [first // 16 * 16 for first in firsts])
+        args = _jnp_args(batch, dtype)
+        real = slice(0, sum(q_lens))
+        attend = jax.jit(ragged_paged_attention_xla, static_argnames="sliding_window")
+        native = np.asarray(attend(*args, sliding_window=sliding_window).astype(jnp.float32))
+        assert np.isfinite(native).all()
+        np.testing.assert_allclose(native[real], attention_f64(*batch, sliding_window=sliding_window)[real],
+                                   **TOLERANCE[dtype])
+        with monkeypatch.context() as m:
+            m.setattr(cpu_attention, "usable", lambda k_cache: False)
+            loop = np.asarray(jax.jit(ragged_paged_attention_xla, static_argnames="sliding_window")(
+                *args, sliding_window=sliding_window).astype(jnp.float32))
+        np.testing.assert_allclose(native, loop, **TOLERANCE[dtype])
+    assert xla.SHORT_QUERY_ROWS == 8
+
+
 @needs_native
 def test_portable_loops_with_a_window():
     """The loops a CPU without AVX-512 runs, built with it off under names of their own (on an

@@ -44,6 +44,10 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 DECODE_GROUP = 8  # decoding sequences per outer step
 PREFILL_QUERY_BLOCK = 32  # query tokens per prefill block
 PREFILL_GROUP = 8  # prefill blocks per outer step
+# A CPU batch whose sequences have at most this many query tokens each (decodes, verifying k
+# proposals, short chunks) runs every token as a native decode row (token_rows): reading a
+# short context once per token beats the blocked loop's gathers (docs/BENCHMARKS.md section 20).
+SHORT_QUERY_ROWS = 8
 CONTEXT_CHUNK_TOKENS = 128  # small chunks stay in cache and let causal blocks stop early (bench_attention.py)
 
 
@@ -228,17 +232,41 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, quer
     xla_decode = functools.partial(attend, q_lens=split.decode_q_lens, block_q=1, num_blocks=max_num_seqs,
                                    group_blocks=min(DECODE_GROUP, max_num_seqs))
     out = jnp.zeros(q.shape, q.dtype)
+
+    def prefill(out):  # prefill chunks (two tokens or more), into the decodes' out
+        if num_tokens < 2:
+            return out
+        block_q = min(PREFILL_QUERY_BLOCK, num_tokens)
+        num_blocks = max_prefill_blocks(num_tokens, max_num_seqs, block_q)
+        return attend(out, q_lens=split.prefill_q_lens, block_q=block_q, num_blocks=num_blocks,
+                      group_blocks=min(PREFILL_GROUP, num_blocks))
+
     if get_format(kv_cache_dtype) is None and cpu_attention.usable(k_cache):
         native = functools.partial(cpu_attention.decode_attention, sm_scale=sm_scale, sliding_window=sliding_window)
-        out = lax.platform_dependent(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
-            cpu=lambda *args: native(*args).astype(q.dtype), default=lambda *args: xla_decode(out))
-    else:
-        out = xla_decode(out)
-    if num_tokens < 2:  # no room for a prefill chunk (two tokens or more)
-        return out
-    # prefill chunks
-    block_q = min(PREFILL_QUERY_BLOCK, num_tokens)
-    num_blocks = max_prefill_blocks(num_tokens, max_num_seqs, block_q)
-    return attend(out, q_lens=split.prefill_q_lens, block_q=block_q, num_blocks=num_blocks,
-                  group_blocks=min(PREFILL_GROUP, num_blocks))
+
+        def cpu(*args):
+            decoded = lambda: prefill(native(*args).astype(q.dtype))  # noqa: E731
+            if num_tokens < 2:
+                return decoded()
+            # Every sequence at most SHORT_QUERY_ROWS tokens (decodes, verification steps of
+            # speculative decoding, short chunks): each token is a decode row of its own.
+            return lax.cond(jnp.max(batch.q_lens) <= SHORT_QUERY_ROWS,
+                            lambda: native(*args[:3], *token_rows(block_tables, batch, num_tokens)).astype(q.dtype),
+                            decoded)
+
+        return lax.platform_dependent(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
+                                      cpu=lambda *args: cpu(*args), default=lambda *args: prefill(xla_decode(out)))
+    return prefill(xla_decode(out))
+
+
+def token_rows(block_tables, batch, num_tokens: int):
+    """Decode-kernel arguments that make every query token a sequence of its own: token t of
+    sequence s at position p attends to keys 0..p through s's block table (so a causal chunk
+    of n tokens is n decode rows). Returns (block_tables [T, W], seq_lens [T], query_start_loc
+    [T + 1], num_seqs): padding tokens come after the real ones and are left out."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(batch.token_end, t, side="right"), batch.seq_lens.shape[0] - 1)
+    num_real = jnp.sum(batch.q_lens).astype(jnp.int32)
+    position = batch.seq_lens[seq] - batch.q_lens[seq] + (t - batch.token_start[seq])
+    lens = jnp.where(t < num_real, position + 1, 0).astype(jnp.int32)
+    return block_tables[seq], lens, jnp.arange(num_tokens + 1, dtype=jnp.int32), num_real
