@@ -127,17 +127,24 @@ def test_native_kernel_builds_here():
     assert qm.native_available(), "the native CPU kernel did not build; see the warning logged"
 
 
-def test_portable_kernel_matches_reference():
-    # The loops a CPU without AVX-512 runs, built with it turned off, under names of their own.
+@pytest.mark.parametrize("flags,prefix", [(("-mno-avx512f",), "pj_test_avx2"),
+                                          (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "pj_test_portable")],
+                         ids=["avx2", "portable"])
+def test_kernels_without_avx512_match_reference(flags, prefix):
+    # The loops a CPU without AVX-512 runs (AVX2's where it has them, else the portable ones),
+    # built with the rest turned off, under names of their own.
     if shutil.which(os.environ.get("CXX", "g++")) is None or jax.default_backend() != "cpu":
         pytest.skip("no C++ compiler, or not a CPU backend")
-    assert qm.build_and_register(("-mno-avx512f",), prefix="pj_test_portable")
+    if prefix == "pj_test_avx2" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    assert qm.build_and_register(flags, prefix=prefix)
     for fmt, activations in KINDS:
-        x, data, _ = _case(fmt, 5, 96, 21, seed=7)
-        y = np.asarray(_matmul(x, data, fmt, 21, activations, native="pj_test_portable"))
-        _check(y, x, data, fmt, 21, activations)
-        y2, y1 = _group(x, [_case(fmt, 1, 96, 40)[1], data], fmt, (40, 21), activations, native="pj_test_portable")
-        np.testing.assert_array_equal(np.asarray(y1), y)
+        for rows in (1, 5):  # one pass of r = 1; passes of 4 and 1
+            x, data, _ = _case(fmt, rows, 96, 21, seed=7)
+            y = np.asarray(_matmul(x, data, fmt, 21, activations, native=prefix))
+            _check(y, x, data, fmt, 21, activations)
+            y2, y1 = _group(x, [_case(fmt, 1, 96, 40)[1], data], fmt, (40, 21), activations, native=prefix)
+            np.testing.assert_array_equal(np.asarray(y1), y)
 
 
 @pytest.mark.parametrize("fmt,activations", KINDS)
