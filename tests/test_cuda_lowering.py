@@ -171,3 +171,13 @@ def test_sharded_layer_lowers_for_cuda(tp):
     assert text.count("custom_call @__gpu$xla.gpu.triton") == 2, "expected the decode and the prefill kernel"
     assert text.count("tf.aliasing_output") == 2, "the donated k and v caches must alias outputs"
     assert text.count('[{}, {}, {"tp"}, {}]>, tf.aliasing_output') == 2, "each cache split on its KV-head axis"
+
+
+@pytest.mark.parametrize("num_tokens, max_num_seqs", [(5, 1), (5, 2), (9, 1)])
+def test_verification_buckets_lower_for_cuda(num_tokens, max_num_seqs):
+    """Speculative decoding's 1 + k token buckets are not powers of two (SchedulerConfig.token_buckets)."""
+    cache = jax.ShapeDtypeStruct((64, BLOCK_SIZE, 2, HEAD_DIM), jnp.bfloat16)
+    args = (jax.ShapeDtypeStruct((num_tokens, 8, HEAD_DIM), jnp.bfloat16), cache, cache,
+            jax.ShapeDtypeStruct((max_num_seqs, 16), jnp.int32), jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32),
+            jax.ShapeDtypeStruct((max_num_seqs + 1,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
+    assert lower_for_cuda(ragged_paged_attention, *args).count("custom_call @__gpu$xla.gpu.triton") == 2

@@ -328,14 +328,15 @@ def test_sampled_tokens_follow_the_same_distribution_with_and_without_speculatio
 
 
 def test_a_verification_step_pads_to_its_own_sequences_not_its_tokens():
-    """One sequence verifying 4 proposals has 5 tokens: (8, 1), not the (8, 8) a 5-token
-    step gets without speculation (8 rows of logits, and the verification's 8 x 5); every
-    bucket a step can get is among the compiled shapes."""
+    """One sequence verifying 4 proposals has 5 tokens: (5, 1) (1 + k is a token bucket of its
+    own), not the (8, 8) a 5-token step gets without speculation (8 rows of logits, and the
+    verification's 8 x 5); every bucket a step can get is among the compiled shapes."""
     from paged_jax.core.config import SchedulerConfig
 
     plain = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024)
     spec = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, num_spec_tokens=4)
-    assert plain.bucket_for(5, 1) == (8, 8) and spec.bucket_for(5, 1) == (8, 1)
+    assert plain.bucket_for(5, 1) == (8, 8) and spec.bucket_for(5, 1) == (5, 1) and spec.bucket_for(6, 1) == (8, 1)
+    assert 5 in spec.token_buckets and 5 not in plain.token_buckets
     assert spec.bucket_for(16 * 5, 16) == (128, 16) and spec.bucket_for(3 * 5, 3) == (16, 4)
     assert spec.bucket_for(1, 1) == plain.bucket_for(1, 1) == (1, 1)
     shapes = set(spec.bucket_shapes())

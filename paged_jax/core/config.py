@@ -174,8 +174,9 @@ class SchedulerConfig:
         an offload tier; recompute when the tier is full).
       num_spec_tokens: proposals a decoding sequence may bring (speculative decoding's k;
         0: none). A verification step has 1 + k tokens per sequence, so a step of T tokens
-        pads its sequences to at least T // (1 + k) rather than T: one sequence verifying 4
-        proposals runs in an (8, 1) bucket, not (8, 8) (8 rows of logits for 1).
+        pads its sequences to at least T // (1 + k) rather than T, and 1 + k is a token
+        bucket: one sequence verifying 4 proposals runs in a (5, 1) bucket, not (8, 8) (8 rows
+        of logits for 1, and 3 padding rows in every matmul).
       num_lookahead_tokens: slots reserved past every request's scheduled tokens (vLLM's
         num_lookahead_tokens): a draft model writes its KV for its next proposals there within
         the step (its k; 0 without a draft model). Capped at max_model_len, never cached.
@@ -205,8 +206,15 @@ class SchedulerConfig:
 
     @property
     def token_buckets(self) -> list[int]:
-        """Padded token counts a step can have (each one compiled shape)."""
-        return make_buckets(self.max_num_batched_tokens, min(self.min_token_bucket, self.max_num_batched_tokens))
+        """Padded token counts a step can have (each one compiled shape): powers of two, and
+        with speculation 1 + num_spec_tokens too, so that one sequence verifying k proposals
+        computes its 1 + k rows and not the next power of two (on a CPU a verification step's
+        matmuls cost about their rows)."""
+        buckets = make_buckets(self.max_num_batched_tokens, min(self.min_token_bucket, self.max_num_batched_tokens))
+        verify = 1 + self.num_spec_tokens
+        if self.num_spec_tokens and verify < self.max_num_batched_tokens and verify not in buckets:
+            buckets = sorted([*buckets, verify])
+        return buckets
 
     @property
     def seq_buckets(self) -> list[int]:
