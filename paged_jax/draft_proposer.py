@@ -92,11 +92,9 @@ class DraftModelProposer:
             budgets.append(proposal_budget(request, self.num_speculative_tokens, self.max_model_len)
                            if decoding else 0)
             requests.append(request)
-        if not any(budgets):
-            if ids:  # KV where the target has it, for later steps and prefix hits
-                self._run(ids, token_lists, starts)
+        if not ids:
             return
-        first = self._run(ids, token_lists, starts)
+        first = self._run(ids, token_lists, starts)  # KV where the target has it, and proposal 1
         proposers = [i for i, budget in enumerate(budgets) if budget > 0]
         proposals = {i: [int(first[i])] for i in proposers}
         for j in range(1, max(budgets)):
