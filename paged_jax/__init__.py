@@ -4,7 +4,7 @@ The host-side modules (block manager, scheduler, batch building) import no jax, 
 `import paged_jax.core.kv_cache_manager` stays light. The engine API is loaded lazily.
 """
 
-__all__ = ["EngineConfig", "LLM", "LLMEngine", "SamplingParams", "RequestOutput"]
+__all__ = ["EngineConfig", "LLM", "LLMEngine", "SamplingParams", "GuidedDecodingParams", "RequestOutput"]
 
 
 def __getattr__(name):
@@ -28,4 +28,8 @@ def __getattr__(name):
         from paged_jax.core.request import SamplingParams
 
         return SamplingParams
+    if name == "GuidedDecodingParams":
+        from paged_jax.core.request import GuidedDecodingParams
+
+        return GuidedDecodingParams
     raise AttributeError(f"module 'paged_jax' has no attribute {name!r}")

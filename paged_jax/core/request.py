@@ -9,6 +9,7 @@ as it becomes full (never the whole sequence again). Imports no jax.
 from __future__ import annotations
 
 import enum
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -51,6 +52,62 @@ def _is_int(x) -> bool:
 
 
 @dataclass(frozen=True)
+class GuidedDecodingParams:
+    """A grammar the output must follow (vLLM's structured outputs); set exactly one field.
+
+    Attributes:
+      json: a JSON schema (a dict or its JSON text): the output is one JSON value valid under it.
+      regex: the output matches this regular expression (Rust `regex` syntax), whole.
+      choice: the output is exactly one of these strings.
+      grammar: a context-free grammar in Lark syntax or llama.cpp's GBNF.
+      json_object: the output is any JSON object (OpenAI's response_format json_object).
+      whitespace_flexible: allow any JSON whitespace between tokens (vLLM's default); False
+        (the default here) writes JSON with single spaces after `,` and `:`, so a small model
+        cannot fill its budget with newlines.
+    `json` is kept as its canonical JSON text, so equal schemas compare (and cache) equal.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    whitespace_flexible: bool = False
+
+    def __post_init__(self):
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(f"guided_decoding sets {given or 'nothing'}: set exactly one of json, regex, "
+                             f"choice, grammar, json_object")
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"guided_decoding json is not valid JSON ({e}); give a JSON schema") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"guided_decoding json must be a JSON schema object, got {type(schema).__name__}")
+            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True))
+        if self.choice is not None:
+            if isinstance(self.choice, (str, bytes)) or not hasattr(self.choice, "__iter__"):
+                raise ValueError(f"guided_decoding choice={self.choice!r} must be a list of strings")
+            choice = tuple(self.choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError(f"guided_decoding choice={choice!r} must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"guided_decoding {name}={value!r} must be a non-empty string")
+        for name in ("json_object", "whitespace_flexible"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"guided_decoding {name}={getattr(self, name)!r} must be True or False")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
 
@@ -63,6 +120,14 @@ class SamplingParams:
       stop_token_ids: extra token ids that end the request (the stop token is kept).
       ignore_eos: keep generating past the model's EOS token.
       logprobs: also return the log-probability of each sampled token.
+      presence_penalty: in [-2, 2]; subtracted once from the logit of every token already in
+        the output (OpenAI's definition; > 0 discourages repeats).
+      frequency_penalty: in [-2, 2]; subtracted from each token's logit once per time it
+        appears in the output.
+      repetition_penalty: > 0 (1 disables it); divides the positive logits and multiplies the
+        negative ones of every token in the prompt or the output (the CTRL / HF rule).
+      guided_decoding: a GuidedDecodingParams: every sampled token must keep the output
+        inside its grammar (structured outputs), or None.
     """
 
     max_tokens: int = 16
@@ -73,6 +138,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -96,6 +165,20 @@ class SamplingParams:
         for name in ("ignore_eos", "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2 <= value <= 2:
+                raise ValueError(f"{name}={value!r} must be a number in [-2, 2]; use 0 to disable it")
+        value = self.repetition_penalty
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"repetition_penalty={value!r} must be a number > 0; use 1.0 to disable it")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
+            raise ValueError(f"guided_decoding must be a GuidedDecodingParams or None, "
+                             f"got {type(self.guided_decoding).__name__}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
