@@ -71,7 +71,7 @@ class DraftModelProposer:
             num_lookahead_tokens=0)
         engine = dataclasses.replace(config.engine, speculative_config=None, layers_per_program=None)
         self.runner = ModelRunner(draft_model, ResolvedConfig(engine, config.cache, self.scheduler_config),
-                                  mesh=mesh, pool=pool, first_layer=first_layer)
+                                  mesh=mesh, pool=pool, first_layer=first_layer, logits_processing=False)
         self.builder = builder
         self.num_passes = 0
 

@@ -16,7 +16,7 @@ import jax
 from models.registry import load_model, load_tokenizer
 from paged_jax.chat import chat_prompt
 from paged_jax.compile_cache import enable_compile_cache
-from paged_jax.core.batch import StepInputsBuilder
+from paged_jax.core.batch import StepInputsBuilder, build_logits_processing
 from paged_jax.core.hashing import digest_nbytes
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.kv_events import KVEventLog
@@ -32,6 +32,7 @@ from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.kv_pool import KVPool
 from paged_jax.runner import ModelRunner
 from paged_jax.sharding import check_tensor_parallel, make_mesh, param_placer
+from paged_jax.structured_output import StructuredOutputManager
 
 
 class LLMEngine:
@@ -97,6 +98,8 @@ class LLMEngine:
         eos_ids = tuple(self.tokenizer.eos_token_ids) or mc.eos_token_ids
         self._eos_token_id = eos_ids[0] if eos_ids else None
         self._extra_eos_ids = tuple(eos_ids[1:])
+        # Grammars of guided requests (built on first use: the token trie costs ~1 s on a 49k vocabulary).
+        self.structured_output = StructuredOutputManager(self.tokenizer, mc.vocab_size, eos_ids)
         self._live: dict[str, tuple[Request, RequestOutput]] = {}
         self.num_generated_tokens = 0
         progress = None
@@ -163,7 +166,15 @@ class LLMEngine:
             params = dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + self._extra_eos_ids)
         request = Request(request_id, prompt_token_ids, params, cache_salt=cache_salt,
                           eos_token_id=self._eos_token_id, arrival_time=arrival_time)
-        self.scheduler.add_request(request)  # ValueError: duplicate id, too long, can never fit
+        if request_id in self._live:  # before touching the live request's matcher
+            raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
+        if params.guided_decoding is not None:
+            self.structured_output.add(request_id, params.guided_decoding)  # ValueError: a bad grammar
+        try:
+            self.scheduler.add_request(request)  # ValueError: duplicate id, too long, can never fit
+        except ValueError:
+            self.structured_output.remove(request_id)
+            raise
         self._live[request_id] = request, RequestOutput(
             request_id, text, request.prompt_token_ids,
             [CompletionOutput(0, "", [], [] if params.logprobs else None, None)], False,
@@ -185,6 +196,7 @@ class LLMEngine:
         """Stops a request and frees its blocks; False if it is unknown or already done."""
         if not self.scheduler.abort_request(request_id):
             return False
+        self.structured_output.remove(request_id)
         _, output = self._live.pop(request_id)
         completion = output.outputs[0]
         completion.finish_reason, output.finished = "abort", True
@@ -225,12 +237,21 @@ class LLMEngine:
         copies = self.kv_cache_manager.take_step_copies()
         spec = None if self.spec_config is None else self.input_builder.spec_metadata(
             scheduler_output, inputs, self.spec_config.num_speculative_tokens)
+        processing = build_logits_processing(
+            scheduler_output, inputs.attention.seq_lens.shape[0],
+            1 if spec is None else self.spec_config.num_speculative_tokens + 1, self.runner.vocab_size,
+            self.runner.history_width, self.structured_output.fill_bitmask)
         if spec is None:
-            token_ids, logprobs = self.runner.execute(inputs, copies)
+            token_ids, logprobs = self.runner.execute(inputs, copies, processing=processing)
             num_accepted = None
         else:
-            token_ids, logprobs, num_accepted = self.runner.execute(inputs, copies, spec)
+            token_ids, logprobs, num_accepted = self.runner.execute(inputs, copies, spec, processing)
         core_outputs = self.scheduler.update_from_output(scheduler_output, token_ids, logprobs, num_accepted)
+        if len(self.structured_output):
+            for core in core_outputs:  # the matchers move past what each request kept
+                self.structured_output.accept(core.request_id, core.new_token_ids)
+                if core.finish_reason is not None:
+                    self.structured_output.remove(core.request_id)
         if self.spec_config is not None:
             self._propose(scheduler_output)
         return self._make_outputs(core_outputs)
@@ -240,15 +261,20 @@ class LLMEngine:
         of them: the draft model's passes after this step, or prompt lookup."""
         if self.drafter is not None:
             self.drafter.propose(scheduler_output)
-            return
-        spec = self.spec_config
-        max_model_len = self.cache_config.max_model_len
+        else:
+            spec = self.spec_config
+            max_model_len = self.cache_config.max_model_len
+            for request in self.scheduler.running:
+                if request.num_tokens - request.num_computed_tokens != 1:
+                    continue  # still prefilling
+                k = proposal_budget(request, spec.num_speculative_tokens, max_model_len)
+                request.spec_token_ids = propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min,
+                                                       spec.prompt_lookup_max)
+        # Penalties count the output so far, which proposals would change position by position:
+        # such requests decode one token a step (exact, and what vLLM's penalties assume).
         for request in self.scheduler.running:
-            if request.num_tokens - request.num_computed_tokens != 1:
-                continue  # still prefilling
-            k = proposal_budget(request, spec.num_speculative_tokens, max_model_len)
-            request.spec_token_ids = propose_ngram(request.all_token_ids, k, spec.prompt_lookup_min,
-                                                   spec.prompt_lookup_max)
+            if request.spec_token_ids and request.sampling_params.has_penalties:
+                request.spec_token_ids = []
 
     def _make_outputs(self, core_outputs) -> list[RequestOutput]:
         now = time.time()

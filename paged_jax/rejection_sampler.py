@@ -26,19 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paged_jax.sampler import SAMPLING_EPS, _top_k_top_p
-
-
-def _argmax(logits):
-    """i32[...] first index of each row's maximum over the last axis of f32[..., V].
-
-    Two plain reductions, as in sampler.py: XLA's CPU argmax is a (value, index) pair
-    reduction that does not vectorise.
-    """
-    vocab = logits.shape[-1]
-    row_max = logits.max(axis=-1, keepdims=True)
-    first_max = jnp.where(logits == row_max, jnp.arange(vocab, dtype=jnp.int32), vocab).min(axis=-1)
-    return jnp.minimum(first_max, vocab - 1)  # a NaN row matches nothing: clamp to a valid id
+from paged_jax.sampler import SAMPLING_EPS, _top_k_top_p, first_argmax, process_logits
 
 
 def _position_key_data(rng_keys, num_positions):
@@ -145,7 +133,8 @@ def _check_shapes(target_logits, draft_token_ids, num_draft_tokens, sampling_met
                          f"or None for a point-mass proposer; got {draft_probs.shape=}")
 
 
-def rejection_sample(target_logits, draft_token_ids, num_draft_tokens, sampling_metadata, draft_probs=None):
+def rejection_sample(target_logits, draft_token_ids, num_draft_tokens, sampling_metadata, draft_probs=None,
+                     processing=None):
     """Verifies each row's draft tokens against the target model and emits 1 to K + 1 tokens per row.
 
     Jittable; the maximum draft count K comes from the shapes, so it is static. Padded rows
@@ -163,6 +152,9 @@ def rejection_sample(target_logits, draft_token_ids, num_draft_tokens, sampling_
         top_p f32[S], rng_keys u32[S, 2] = (seed word, output index of position 0's token).
       draft_probs: None for a point-mass proposer (n-gram prompt lookup: q(draft) = 1), or
         f32[S, K, V] the draft model's processed probabilities at each drafted position.
+      processing: a LogitsProcessingMetadata whose masks (S * (K + 1) rows, sequence-major)
+        and penalties apply to the target's logits before verification, or None. p is then
+        the processed distribution: a draft the grammar forbids has p = 0 and is rejected.
     Returns:
       (output_token_ids i32[S, K + 1], num_accepted i32[S], logprobs f32[S, K + 1]): row i
       emits output_token_ids[i, :num_accepted[i] + 1], its accepted drafts then one token (the
@@ -172,7 +164,8 @@ def rejection_sample(target_logits, draft_token_ids, num_draft_tokens, sampling_
     """
     _check_shapes(target_logits, draft_token_ids, num_draft_tokens, sampling_metadata, draft_probs)
     temperature, top_k, top_p, rng_keys = sampling_metadata
-    logits = target_logits.astype(jnp.float32)
+    raw = target_logits.astype(jnp.float32)
+    logits = raw if processing is None else process_logits(raw, processing)
     temperature = temperature.astype(jnp.float32)
     num_seqs, num_positions, _ = logits.shape
     max_drafts = num_positions - 1
@@ -184,7 +177,7 @@ def rejection_sample(target_logits, draft_token_ids, num_draft_tokens, sampling_
 
     # greedy: a kept draft equals the argmax, so every emitted token is the argmax at its position.
     is_greedy = temperature < SAMPLING_EPS
-    greedy_tokens = _argmax(logits)  # i32[S, K + 1]
+    greedy_tokens = first_argmax(logits)  # i32[S, K + 1]
     greedy_accepted = has_draft & (draft_token_ids == greedy_tokens[:, :max_drafts])
 
     def mixed():
@@ -203,9 +196,9 @@ def rejection_sample(target_logits, draft_token_ids, num_draft_tokens, sampling_
     output_token_ids = jnp.where(position < stop, kept, jnp.where(position == stop, stop_tokens, -1))
 
     # Raw logprobs with sampler.sample's arithmetic, so a draft-free step matches it exactly.
-    row_max = logits.max(axis=-1, keepdims=True)
-    log_norm = row_max[..., 0] + jnp.log(jnp.exp(logits - row_max).sum(axis=-1))
+    row_max = raw.max(axis=-1, keepdims=True)
+    log_norm = row_max[..., 0] + jnp.log(jnp.exp(raw - row_max).sum(axis=-1))
     emitted = output_token_ids >= 0
-    token_logit = jnp.take_along_axis(logits, jnp.where(emitted, output_token_ids, 0)[..., None], axis=-1)[..., 0]
+    token_logit = jnp.take_along_axis(raw, jnp.where(emitted, output_token_ids, 0)[..., None], axis=-1)[..., 0]
     logprobs = jnp.where(emitted, token_logit - log_norm, 0.0)
     return output_token_ids, num_accepted, logprobs

@@ -6,7 +6,10 @@ table width is fixed): `embed`, one `layer` program of a few consecutive decoder
 logits of the sampled rows, sampling). With speculative decoding each bucket also has a
 `spec_head`, which a step runs instead of `head` when some sequence brought proposals: the
 logits of every scored position (1 + k rows per sequence) and the rejection sampler
-(paged_jax/rejection_sampler.py); steps without proposals keep the plain head's cost. Compiling a few layers instead of a program with
+(paged_jax/rejection_sampler.py); steps without proposals keep the plain head's cost. Each
+head also has a twin that applies a LogitsProcessingMetadata (grammar masks, repetition
+penalties) before sampling, which a step runs only when one of its sequences needs it, so
+free steps never carry a mask. Compiling a few layers instead of a program with
 every layer unrolled is what makes start-up fast; each call costs a little on the host and
 in the runtime, so groups are as large as divide the layer count up to 6
 (docs/BENCHMARKS.md, section 10, measures both). A lax.scan over stacked weights compiled
@@ -41,8 +44,8 @@ from jax.experimental import multihost_utils
 from paged_jax.attention import bind_layer, make_attention_backend
 from paged_jax.compile_manager import CompileManager
 from paged_jax.core.batch import pad_step_inputs
-from paged_jax.core.step_inputs import (ModelInputs, SamplingMetadata, SpecDecodeMetadata, StepAttentionMetadata,
-                                       StepInputs)
+from paged_jax.core.step_inputs import (LogitsProcessingMetadata, ModelInputs, SamplingMetadata, SpecDecodeMetadata,
+                                       StepAttentionMetadata, StepInputs)
 from paged_jax.engine_config import ResolvedConfig
 from paged_jax.kv_pool import KVPool
 from paged_jax.rejection_sampler import rejection_sample
@@ -109,7 +112,8 @@ class ModelRunner:
       attention_backends: one per KV-cache group, for its spec; `attention` is the first.
     """
 
-    def __init__(self, model, config: ResolvedConfig, *, mesh=None, pool: KVPool | None = None, first_layer: int = 0):
+    def __init__(self, model, config: ResolvedConfig, *, mesh=None, pool: KVPool | None = None, first_layer: int = 0,
+                 logits_processing: bool = True):
         self.resolved_config = config
         self.cache_config, self.scheduler_config = cache_config, scheduler_config = config.cache, config.scheduler
         engine = config.engine  # the device-side knobs
@@ -183,6 +187,10 @@ class ModelRunner:
         self.num_steps = 0
         spec_config = engine.spec_config
         self.num_spec_tokens = 0 if spec_config is None else spec_config.num_speculative_tokens
+        # Heads that apply grammar masks and penalties (a draft model's runner has no use for them).
+        self.logits_processing = logits_processing
+        self.vocab_size = model.config.vocab_size
+        self.history_width = min(cache_config.max_model_len, self.vocab_size)  # distinct ids a sequence can hold
         self.compiler = CompileManager(scheduler_config.bucket_shapes(), self._compile, scheduler_config.bucket_for)
 
     @property
@@ -260,19 +268,31 @@ class ModelRunner:
             x, new_caches[c] = layer(x, positions, new_caches[c], views[group], attention)
         return x, new_caches
 
-    def _head_fn(self, head_params, x, inputs: StepInputs):
+    def _head_fn(self, head_params, x, inputs: StepInputs, processing: LogitsProcessingMetadata | None = None):
         logits = self._model(head_params).compute_logits(x, inputs.model)
-        return sample(logits, inputs.sampling)
+        return sample(logits, inputs.sampling, processing)
 
-    def _spec_head_fn(self, head_params, x, inputs: StepInputs, spec: SpecDecodeMetadata):
+    def _spec_head_fn(self, head_params, x, inputs: StepInputs, spec: SpecDecodeMetadata,
+                      processing: LogitsProcessingMetadata | None = None):
         """Logits of every scored position (S x (k + 1) rows) and the rejection sampler:
         (token ids i32[S, k + 1], logprobs f32[S, k + 1], accepted proposals i32[S])."""
         num_seqs, num_positions = spec.logits_indices.shape
         rows = inputs.model._replace(logits_indices=spec.logits_indices.reshape(-1))
         logits = self._model(head_params).compute_logits(x, rows).reshape(num_seqs, num_positions, -1)
         token_ids, num_accepted, logprobs = rejection_sample(logits, spec.draft_token_ids, spec.num_draft_tokens,
-                                                             inputs.sampling)
+                                                             inputs.sampling, processing=processing)
         return token_ids, logprobs, num_accepted
+
+    def dummy_processing(self, num_seqs: int, num_positions: int = 1) -> LogitsProcessingMetadata:
+        """Logits processing that changes nothing, for num_seqs sequences of num_positions
+        scored positions each (1 + k in a verification step)."""
+        words = -(-self.vocab_size // 32)
+        h = self.history_width
+        return LogitsProcessingMetadata(
+            bitmask=np.full((num_seqs * num_positions, words), -1, np.int32),
+            penalties=np.tile(np.array([0.0, 0.0, 1.0], np.float32), (num_seqs, 1)),
+            history_ids=np.full((num_seqs, h), self.vocab_size, np.int32),
+            output_counts=np.zeros((num_seqs, h), np.float32))
 
     def dummy_spec(self, num_seqs: int) -> SpecDecodeMetadata:
         """Verification inputs of a bucket with num_seqs sequences (no proposals)."""
@@ -337,16 +357,43 @@ class ModelRunner:
                                           unpack_step_inputs(spec_packed, spec_like))
 
             spec_head = self._jit(spec_head_fn, (rep, rep, rep)).lower(head_params, x, packed, spec_packed).compile()
-        return embed, tuple(layers), head, spec_head
+        head_processed = spec_head_processed = None
+        if self.logits_processing:
+            def packed_like(tree):
+                return jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree)),), np.int32,
+                                            sharding=rep)
+
+            proc_like = abstract(self.dummy_processing(num_seqs))
+
+            def head_processed_fn(head_leaves, x, packed, proc_packed):
+                return self._head_fn(head_params_of(head_leaves), x, unpack_step_inputs(packed, like),
+                                     unpack_step_inputs(proc_packed, proc_like))
+
+            head_processed = self._jit(head_processed_fn, (rep, rep)).lower(
+                head_params, x, packed, packed_like(proc_like)).compile()
+            if self.num_spec_tokens:
+                spec_proc_like = abstract(self.dummy_processing(num_seqs, self.num_spec_tokens + 1))
+
+                def spec_head_processed_fn(head_leaves, x, packed, spec_packed, proc_packed):
+                    return self._spec_head_fn(head_params_of(head_leaves), x, unpack_step_inputs(packed, like),
+                                              unpack_step_inputs(spec_packed, spec_like),
+                                              unpack_step_inputs(proc_packed, spec_proc_like))
+
+                spec_head_processed = self._jit(spec_head_processed_fn, (rep, rep, rep)).lower(
+                    head_params, x, packed, spec_packed, packed_like(spec_proc_like)).compile()
+        return embed, tuple(layers), head, spec_head, head_processed, spec_head_processed
 
     def _programs_for(self, shape: tuple[int, int]) -> tuple:
         return self.compiler.programs_for(shape)
 
-    def execute(self, inputs: StepInputs, copies=None, spec: SpecDecodeMetadata | None = None) -> tuple:
+    def execute(self, inputs: StepInputs, copies=None, spec: SpecDecodeMetadata | None = None,
+                processing: LogitsProcessingMetadata | None = None) -> tuple:
         """Runs one step; returns (sampled token ids i32[S], their logprobs f32[S]) on the host,
         or with `spec` (a verification step: StepInputsBuilder.spec_metadata) (token ids
         i32[S, k + 1], logprobs f32[S, k + 1], accepted proposals i32[S]): row i's tokens are
-        its first accepted + 1.
+        its first accepted + 1. `processing` (grammar masks, penalties; shaped for the step's
+        sequence bucket, with 1 + k positions per sequence in a verification step) runs the
+        bucket's processing head instead.
 
         Rows past inputs.num_seqs are padding. A step with no sequences (only finished or
         aborted requests to release) runs no model program. `copies` (offload.StepCopies or
@@ -370,7 +417,10 @@ class ModelRunner:
             if spec is not None:  # padded sequences have no proposals and score row 0
                 spec = SpecDecodeMetadata(*(np.pad(a, [(0, run_shape[1] - shape[1])] + [(0, 0)] * (a.ndim - 1))
                                             for a in spec))
-        embed, layers, head, spec_head = self._programs_for(run_shape)
+            if processing is not None:  # padded sequences change nothing
+                processing = pad_processing(processing, self.dummy_processing(
+                    run_shape[1] - shape[1], 1 if spec is None else self.num_spec_tokens + 1))
+        embed, layers, head, spec_head, head_processed, spec_head_processed = self._programs_for(run_shape)
         packed = pack_step_inputs(inputs)
         if self.mesh is None:
             packed = jax.device_put(packed)  # once: every program reads this copy
@@ -388,13 +438,19 @@ class ModelRunner:
                               self._group_layer_inputs[p])
             for t, cache in zip(tensors, caches):
                 kv_caches[t] = cache
+        put = jax.device_put if self.mesh is None else functools.partial(put_replicated, mesh=self.mesh)
+        proc_packed = None
+        if processing is not None:
+            assert head_processed is not None, "logits processing given to a runner built without it"
+            proc_packed = put(pack_step_inputs(processing))
         if spec is None:
-            outputs = head(self._head_leaves, x, packed)
+            outputs = (head(self._head_leaves, x, packed) if processing is None
+                       else head_processed(self._head_leaves, x, packed, proc_packed))
         else:
             assert spec_head is not None, "proposals given to a runner built without speculative decoding"
-            spec_packed = pack_step_inputs(spec)
-            spec_packed = jax.device_put(spec_packed) if self.mesh is None else put_replicated(spec_packed, self.mesh)
-            outputs = spec_head(self._head_leaves, x, packed, spec_packed)
+            spec_packed = put(pack_step_inputs(spec))
+            outputs = (spec_head(self._head_leaves, x, packed, spec_packed) if processing is None
+                       else spec_head_processed(self._head_leaves, x, packed, spec_packed, proc_packed))
         self.num_steps += 1
         if copies is not None and copies.persist_block_ids.size:
             copies.persist(self.pool.gather_pages(copies.persist_block_ids))
@@ -426,6 +482,11 @@ class ModelRunner:
         are updated in place): {"embed", "layer", "head"} -> CompiledMemoryStats. The layer
         program runs once per group of layers_per_program layers, on their caches; "layers" lists
         the program of every kind of group (layers of different structure), "layer" is the first."""
-        embed, layers, head, _ = self._programs_for((num_tokens, num_seqs))
+        embed, layers, head, *_ = self._programs_for((num_tokens, num_seqs))
         return {"embed": embed.memory_analysis(), "layer": layers[0].memory_analysis(),
                 "layers": [layer.memory_analysis() for layer in layers], "head": head.memory_analysis()}
+
+
+def pad_processing(processing: LogitsProcessingMetadata, padding: LogitsProcessingMetadata) -> LogitsProcessingMetadata:
+    """processing with padding's rows after its own (a step run in a larger sequence bucket)."""
+    return LogitsProcessingMetadata(*(np.concatenate([a, b]) for a, b in zip(processing, padding)))

@@ -50,7 +50,61 @@ def _sample_random(logits, temperature, top_k, top_p, rng_keys):
     return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
 
 
-def sample(logits, sampling_metadata):
+def apply_token_bitmask(logits, bitmask):
+    """-inf at every token a row's grammar forbids.
+
+    Args:
+      logits: f32[R, V].
+      bitmask: i32[R, W], W * 32 >= V: bit b of word w allows token 32 * w + b (llguidance's
+        and xgrammar's layout); all ones (-1) allows everything.
+    """
+    vocab = logits.shape[-1]
+    bits = jnp.right_shift(bitmask[:, :, None].astype(jnp.uint32), jnp.arange(32, dtype=jnp.uint32)) & 1
+    allowed = bits.reshape(bitmask.shape[0], -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
+def apply_penalties(logits, penalties, history_ids, output_counts):
+    """vLLM's repetition, then frequency and presence penalties, per sequence.
+
+    Args:
+      logits: f32[S, ..., V] (a verification step's [S, K + 1, V]: every position of a
+        sequence gets its penalties; sequences with proposals carry none, see the engine).
+      penalties: f32[S, 3] (presence, frequency, repetition).
+      history_ids: i32[S, H] distinct ids of the prompt and the output; ids >= V are padding.
+      output_counts: f32[S, H] how often each of them occurs in the output.
+    Returns:
+      logits with, for every id in the history, positive logits divided by the repetition
+      penalty and negative ones multiplied by it; then minus frequency * count and minus
+      presence where count > 0. Rows with (0, 0, 1) are returned unchanged, bit for bit.
+    """
+    num_seqs, vocab = logits.shape[0], logits.shape[-1]
+    rows = jnp.arange(num_seqs, dtype=jnp.int32)[:, None]
+    counts = jnp.zeros((num_seqs, vocab), jnp.float32).at[rows, history_ids].add(output_counts, mode="drop")
+    seen = jnp.zeros((num_seqs, vocab), jnp.bool_).at[rows, history_ids].set(True, mode="drop")
+    extra = (1,) * (logits.ndim - 2)  # broadcast over the positions of a verification step
+    presence, frequency, repetition = (penalties[:, i].reshape(num_seqs, *extra, 1) for i in range(3))
+    counts, seen = counts.reshape(num_seqs, *extra, vocab), seen.reshape(num_seqs, *extra, vocab)
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
+    return logits - frequency * counts - presence * (counts > 0).astype(jnp.float32)
+
+
+def process_logits(logits, processing):
+    """The grammar masks and the penalties of a LogitsProcessingMetadata (step_inputs.py).
+
+    logits: f32[S, V], or f32[S, K + 1, V] with the mask's rows in sequence-major order. Each
+    part runs only on steps where some row uses it (cond: a free row costs nothing)."""
+    shape = logits.shape
+    bitmask = processing.bitmask
+    flat = logits.reshape(-1, shape[-1])
+    flat = jax.lax.cond(jnp.any(bitmask != -1), apply_token_bitmask, lambda x, m: x, flat, bitmask)
+    logits = flat.reshape(shape)
+    none = jnp.array([0.0, 0.0, 1.0], jnp.float32)
+    return jax.lax.cond(jnp.any(processing.penalties != none), apply_penalties, lambda x, *_: x, logits,
+                        processing.penalties, processing.history_ids, processing.output_counts)
+
+
+def sample(logits, sampling_metadata, processing=None):
     """Draws one token per row.
 
     Args:
@@ -58,25 +112,34 @@ def sample(logits, sampling_metadata):
       sampling_metadata: a paged_jax.core.step_inputs.SamplingMetadata, per row:
         temperature f32[S] (< 1e-5 means greedy), top_k i32[S] (-1 or 0 disables),
         top_p f32[S] in (0, 1] (1.0 disables), rng_keys u32[S, 2] threefry key data.
+      processing: a LogitsProcessingMetadata (grammar masks, penalties) applied before the
+        draw, or None.
     Returns:
       (token_ids i32[S], logprobs f32[S]): the sampled tokens and their log-probabilities
       under the unprocessed distribution log_softmax(logits) (vLLM's default "raw" logprobs).
     """
     temperature, top_k, top_p, rng_keys = sampling_metadata
-    logits = logits.astype(jnp.float32)
+    raw = logits.astype(jnp.float32)
+    logits = raw if processing is None else process_logits(raw, processing)
     temperature = temperature.astype(jnp.float32)
     is_greedy = temperature < SAMPLING_EPS
-    # argmax as two plain reductions (the row max, then the first index holding it): XLA's CPU
-    # argmax is a (value, index) pair reduction that does not vectorise: much slower on XLA:CPU.
-    vocab = logits.shape[-1]
-    row_max = logits.max(axis=-1, keepdims=True)
-    first_max = jnp.where(logits == row_max, jnp.arange(vocab, dtype=jnp.int32), vocab).min(axis=-1)
-    greedy = jnp.minimum(first_max, vocab - 1)  # a NaN row matches nothing: clamp to a valid id
+    greedy = first_argmax(logits)
     token_ids = jax.lax.cond(
         jnp.all(is_greedy),
         lambda: greedy,  # all-greedy steps skip the random draw entirely
         lambda: jnp.where(is_greedy, greedy, _sample_random(logits, temperature, top_k, top_p.astype(jnp.float32), rng_keys)),
     )
-    log_norm = row_max[:, 0] + jnp.log(jnp.exp(logits - row_max).sum(axis=-1))
-    logprobs = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - log_norm
+    row_max = raw.max(axis=-1, keepdims=True)
+    log_norm = row_max[:, 0] + jnp.log(jnp.exp(raw - row_max).sum(axis=-1))
+    logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - log_norm
     return token_ids, logprobs
+
+
+def first_argmax(logits):
+    """The first index of each row's maximum (i32[...]), as two plain reductions (the row
+    max, then the first index holding it): XLA's CPU argmax is a (value, index) pair reduction
+    that does not vectorise, much slower on XLA:CPU. A NaN row gives the last id."""
+    vocab = logits.shape[-1]
+    row_max = logits.max(axis=-1, keepdims=True)
+    first_max = jnp.where(logits == row_max, jnp.arange(vocab, dtype=jnp.int32), vocab).min(axis=-1)
+    return jnp.minimum(first_max, vocab - 1)  # a NaN row matches nothing: clamp to a valid id

@@ -181,3 +181,25 @@ def test_verification_buckets_lower_for_cuda(num_tokens, max_num_seqs):
             jax.ShapeDtypeStruct((max_num_seqs, 16), jnp.int32), jax.ShapeDtypeStruct((max_num_seqs,), jnp.int32),
             jax.ShapeDtypeStruct((max_num_seqs + 1,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32))
     assert lower_for_cuda(ragged_paged_attention, *args).count("custom_call @__gpu$xla.gpu.triton") == 2
+
+
+def test_processed_sampler_lowers_for_cuda():
+    """The grammar mask and penalties (structured outputs) are plain XLA: they lower for CUDA
+    at SmolLM2's vocabulary, for a plain head's rows and a verification step's."""
+    from paged_jax.core.step_inputs import LogitsProcessingMetadata, SamplingMetadata
+    from paged_jax.rejection_sampler import rejection_sample
+    from paged_jax.sampler import sample
+
+    s, k, vocab, history = 8, 4, 49152, 2048
+    arg = jax.ShapeDtypeStruct
+    meta = SamplingMetadata(arg((s,), jnp.float32), arg((s,), jnp.int32), arg((s,), jnp.float32),
+                            arg((s, 2), jnp.uint32))
+
+    def processing(rows):
+        return LogitsProcessingMetadata(arg((rows, vocab // 32), jnp.int32), arg((s, 3), jnp.float32),
+                                        arg((s, history), jnp.int32), arg((s, history), jnp.float32))
+
+    assert "stablehlo" in lower_for_cuda(sample, arg((s, vocab), jnp.float32), meta, processing(s))
+    verify = functools.partial(rejection_sample, processing=processing(s * (k + 1)))
+    assert "stablehlo" in lower_for_cuda(verify, arg((s, k + 1, vocab), jnp.float32), arg((s, k), jnp.int32),
+                                         arg((s,), jnp.int32), meta)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 
 from paged_jax.core.config import CacheConfig, SchedulerConfig
-from paged_jax.core.step_inputs import (ModelInputs, SamplingMetadata, SpecDecodeMetadata, StepAttentionMetadata,
-                                       StepInputs)
+from paged_jax.core.step_inputs import (LogitsProcessingMetadata, ModelInputs, SamplingMetadata, SpecDecodeMetadata,
+                                       StepAttentionMetadata, StepInputs)
 
 
 def _seed_to_u32(seed: int) -> int:
@@ -250,6 +250,55 @@ class StepInputsBuilder:
                                   query_start_loc=query_start_loc, num_seqs=np.array([num_seqs], np.int32)),
             SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, rng_keys=rng_keys),
         )
+
+
+def needs_logits_processing(request) -> bool:
+    """Whether a request's sampling reads a LogitsProcessingMetadata (a grammar or penalties)."""
+    params = request.sampling_params
+    return params.guided_decoding is not None or params.has_penalties
+
+
+def build_logits_processing(scheduler_output, num_seqs: int, num_positions: int, vocab_size: int,
+                            history_width: int, fill_bitmask) -> LogitsProcessingMetadata | None:
+    """The grammar masks and penalties of one step (None when no scheduled request that
+    samples uses either: the step runs the plain head).
+
+    Args:
+      scheduler_output: the step's SchedulerOutput (sequence i: its i-th request).
+      num_seqs: the step's sequence bucket S.
+      num_positions: scored positions per sequence: 1, or 1 + k in a verification step.
+      vocab_size: the logits width V; history_width: H (ModelRunner.history_width).
+      fill_bitmask: (bitmask, [(request_id, row, proposals)]) -> None, writing the guided
+        rows (StructuredOutputManager.fill_bitmask).
+    """
+    out = scheduler_output
+    spec_lists = out.spec_token_ids or [()] * len(out.requests)
+    chosen = [i for i, (request, samples) in enumerate(zip(out.requests, out.samples))
+              if samples and needs_logits_processing(request)]
+    if not chosen:
+        return None
+    bitmask = np.full((num_seqs * num_positions, -(-vocab_size // 32)), -1, np.int32)
+    penalties = np.tile(np.array([0.0, 0.0, 1.0], np.float32), (num_seqs, 1))
+    history_ids = np.full((num_seqs, history_width), vocab_size, np.int32)
+    output_counts = np.zeros((num_seqs, history_width), np.float32)
+    guided = []
+    for i in chosen:
+        request = out.requests[i]
+        params = request.sampling_params
+        if params.guided_decoding is not None:
+            guided.append((request.request_id, i * num_positions, spec_lists[i]))
+        if params.has_penalties:
+            penalties[i] = params.presence_penalty, params.frequency_penalty, params.repetition_penalty
+            ids = np.unique(np.asarray(request.all_token_ids, np.int32))
+            history_ids[i, : ids.size] = ids
+            outputs = np.asarray(request.output_token_ids, np.int32)
+            if outputs.size:
+                counted, counts = np.unique(outputs, return_counts=True)
+                output_counts[i, np.searchsorted(ids, counted)] = counts
+    if guided:
+        fill_bitmask(bitmask, guided)
+    return LogitsProcessingMetadata(bitmask=bitmask, penalties=penalties, history_ids=history_ids,
+                                    output_counts=output_counts)
 
 
 def pad_step_inputs(inputs: StepInputs, num_tokens: int, num_seqs: int) -> StepInputs:

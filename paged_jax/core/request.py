@@ -62,9 +62,10 @@ class GuidedDecodingParams:
       grammar: a context-free grammar in Lark syntax or llama.cpp's GBNF.
       json_object: the output is any JSON object (OpenAI's response_format json_object).
       whitespace_flexible: allow any JSON whitespace between tokens (vLLM's default); False
-        (the default here) writes JSON with single spaces after `,` and `:`, so a small model
+        (the default here) writes compact JSON, no whitespace between tokens, so a small model
         cannot fill its budget with newlines.
-    `json` is kept as its canonical JSON text, so equal schemas compare (and cache) equal.
+    `json` is kept as its JSON text (properties in the order given: the output follows it),
+    so equal schemas compare (and cache) equal.
     """
 
     json: str | dict | None = None
@@ -90,7 +91,7 @@ class GuidedDecodingParams:
                     raise ValueError(f"guided_decoding json is not valid JSON ({e}); give a JSON schema") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"guided_decoding json must be a JSON schema object, got {type(schema).__name__}")
-            object.__setattr__(self, "json", json.dumps(schema, sort_keys=True))
+            object.__setattr__(self, "json", json.dumps(schema))
         if self.choice is not None:
             if isinstance(self.choice, (str, bytes)) or not hasattr(self.choice, "__iter__"):
                 raise ValueError(f"guided_decoding choice={self.choice!r} must be a list of strings")

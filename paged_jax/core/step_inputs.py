@@ -74,6 +74,22 @@ class SpecDecodeMetadata(NamedTuple):
     logits_indices: np.ndarray  # i32[S, k + 1]; token rows scoring positions 0..k (the last real one repeated)
 
 
+class LogitsProcessingMetadata(NamedTuple):
+    """What the sampler applies to a step's logits when some sequence follows a grammar
+    (structured outputs) or penalizes repeats; built only for such steps and passed to the
+    program that samples apart from StepInputs, like SpecDecodeMetadata.
+
+    Rows that need neither carry an all-ones mask and penalties (0, 0, 1), under which their
+    logits pass through bit for bit. H = the runner's history_width (min(max_model_len, V)):
+    a sequence holds at most that many distinct ids. R = S, or S * (k + 1) in a verification
+    step (row i * (k + 1) + j: sequence i's scored position j)."""
+
+    bitmask: np.ndarray  # i32[R, ceil(V / 32)]; bit v % 32 of word v // 32 set: token v allowed
+    penalties: np.ndarray  # f32[S, 3]; presence, frequency, repetition; (0, 0, 1) for none
+    history_ids: np.ndarray  # i32[S, H]; the sequence's distinct prompt + output ids, padding V
+    output_counts: np.ndarray  # f32[S, H]; occurrences of history_ids[i, h] in the output
+
+
 class StepInputs(NamedTuple):
     """Everything one jitted step needs, and nothing else."""
 

@@ -104,6 +104,11 @@ class Tokenizer:
         return cls(_HFTokenizer.from_file(str(path / "tokenizer.json")), config,
                    _read_json(path / "generation_config.json"))
 
+    @property
+    def hf_tokenizer(self) -> _HFTokenizer:
+        """The HF `tokenizers.Tokenizer` underneath (structured outputs build their token trie from it)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Returns the ids of `text`, starting with BOS when the tokenizer adds one
         (add_special_tokens=False: exactly the text's tokens, as for a rendered chat)."""
