@@ -10,17 +10,18 @@ from paged_jax.core.tokenizer import Tokenizer
 
 
 def chat_prompt(tokenizer: Tokenizer, eos_token_ids, messages, *, add_generation_prompt: bool = True,
-                chat_template: str | None = None,
-                sampling_params: SamplingParams | None = None) -> tuple[list[int], SamplingParams]:
+                chat_template: str | None = None, sampling_params: SamplingParams | None = None,
+                tools: list[dict] | None = None) -> tuple[list[int], SamplingParams]:
     """A conversation as prompt ids (rendered with the chat template, no BOS added twice)
     and the sampling params that also stop at the template's end-of-turn token.
 
     Needs only the tokenizer and the engine's EOS ids, so a server process without the
-    engine (server/engine_core.py) renders prompts the same way. Raises ValueError naming the
-    problem (no template, a bad message, a template error).
+    engine (server/engine_core.py) renders prompts the same way. `tools` (OpenAI tool
+    definitions) is the template's `tools` variable. Raises ValueError naming the problem (no
+    template, a bad message, a template error).
     """
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template)
+                                         chat_template=chat_template, tools=tools)
     params = sampling_params or SamplingParams()
     end_of_turn = tokenizer.end_of_turn_token_id(chat_template)
     stops = (*eos_token_ids, *params.stop_token_ids)

@@ -200,6 +200,8 @@ def test_processed_sampler_lowers_for_cuda():
                                         arg((s, history), jnp.int32), arg((s, history), jnp.float32))
 
     assert "stablehlo" in lower_for_cuda(sample, arg((s, vocab), jnp.float32), meta, processing(s))
-    verify = functools.partial(rejection_sample, processing=processing(s * (k + 1)))
+    def verify(logits, drafts, num_drafts, meta, processing):
+        return rejection_sample(logits, drafts, num_drafts, meta, processing=processing)
+
     assert "stablehlo" in lower_for_cuda(verify, arg((s, k + 1, vocab), jnp.float32), arg((s, k), jnp.int32),
-                                         arg((s,), jnp.int32), meta)
+                                         arg((s,), jnp.int32), meta, processing(s * (k + 1)))

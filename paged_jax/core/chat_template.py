@@ -105,8 +105,9 @@ def validate_messages(messages) -> list[dict]:
     """Checks a conversation and returns it as a fresh list of plain dicts.
 
     Args:
-      messages: a list of {"role": str, "content": str} (other keys, such as "name", pass
-        through to the template).
+      messages: a list of {"role": str, "content": str} (other keys, such as "name" or
+        "tool_calls", pass through to the template; an assistant turn with tool_calls may have
+        content None).
     Returns:
       A list of new dicts (the template cannot change the caller's messages).
     Raises:
@@ -121,6 +122,8 @@ def validate_messages(messages) -> list[dict]:
             raise ValueError(f"messages[{index}] must be a dict with 'role' and 'content', "
                              f"got {type(message).__name__}")
         for field in ("role", "content"):
+            if field == "content" and message.get("tool_calls") and message.get("content") is None:
+                continue  # an assistant turn that only called tools (OpenAI sends content: null)
             if field not in message:
                 raise ValueError(f"messages[{index}] has no {field!r}; every message needs 'role' and 'content'")
             if not isinstance(message[field], str):

@@ -118,13 +118,14 @@ class Tokenizer:
         return ids
 
     def apply_chat_template(self, messages, *, add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> str:
+                            chat_template: str | None = None, tools: list[dict] | None = None) -> str:
         """The conversation as the model's chat template renders it (transformers' apply_chat_template).
 
         Args:
           messages: list of {"role", "content"}, oldest first.
           add_generation_prompt: end with the header that opens the assistant's reply.
           chat_template: overrides the model's template.
+          tools: OpenAI-style tool definitions, the template's `tools` variable.
         Raises:
           ValueError naming the problem: no template, a bad message, a template error.
         """
@@ -133,7 +134,7 @@ class Tokenizer:
             raise ValueError("this model has no chat template; pass chat_template=<Jinja text> (or "
                              "--chat-template FILE), or use generate with a formatted prompt")
         return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token, eos_token=self.eos_token)
+                                    bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
 
     def end_of_turn_token_id(self, chat_template: str | None = None) -> int | None:
         """The id of the token a reply ends with under the chat template ("<|im_end|>" for
