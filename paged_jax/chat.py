@@ -7,6 +7,7 @@ import dataclasses
 
 from paged_jax.core.request import SamplingParams
 from paged_jax.core.tokenizer import Tokenizer
+from paged_jax.tool_calls import template_reads_tools
 
 
 def chat_prompt(tokenizer: Tokenizer, eos_token_ids, messages, *, add_generation_prompt: bool = True,
@@ -17,9 +18,15 @@ def chat_prompt(tokenizer: Tokenizer, eos_token_ids, messages, *, add_generation
 
     Needs only the tokenizer and the engine's EOS ids, so a server process without the
     engine (server/engine_core.py) renders prompts the same way. `tools` (OpenAI tool
-    definitions) is the template's `tools` variable. Raises ValueError naming the problem (no
-    template, a bad message, a template error).
+    definitions) is the template's `tools` variable; a template that never reads it cannot
+    show them to the model, so tools under such a template are a ValueError. Raises
+    ValueError naming the problem (no template, a bad message, a template error).
     """
+    if tools:
+        if not template_reads_tools(chat_template or tokenizer.chat_template or ""):
+            raise ValueError("this chat template does not render tools (it never reads `tools`); serve with "
+                             "--chat-template FILE naming one that does (paged_jax.tool_calls.HERMES_TEMPLATE "
+                             "is a ChatML one), or send the request without tools")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                          chat_template=chat_template, tools=tools)
     params = sampling_params or SamplingParams()

@@ -60,8 +60,8 @@ class PagedJaxServer:
         self.engine = AsyncEngine(core, max_waiting_requests=max_waiting_requests, metrics=self.metrics)
         render = functools.partial(chat_prompt, tokenizer, eos_token_ids, chat_template=chat_template)
 
-        def chat(messages, add_generation_prompt, params):
-            return render(messages, add_generation_prompt=add_generation_prompt, sampling_params=params)
+        def chat(messages, add_generation_prompt, params, tools=None):
+            return render(messages, add_generation_prompt=add_generation_prompt, sampling_params=params, tools=tools)
 
         self.app = build_app(self.engine, tokenizer, model_name=model_name, max_model_len=max_model_len,
                              chat_prompt=chat, api_key=api_key, metrics=self.metrics)
