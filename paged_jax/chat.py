@@ -10,6 +10,10 @@ from paged_jax.core.tokenizer import Tokenizer
 from paged_jax.tool_calls import template_reads_tools
 
 
+class ToolsUnsupportedError(ValueError):
+    """The request has tools and the chat template cannot render them."""
+
+
 def chat_prompt(tokenizer: Tokenizer, eos_token_ids, messages, *, add_generation_prompt: bool = True,
                 chat_template: str | None = None, sampling_params: SamplingParams | None = None,
                 tools: list[dict] | None = None) -> tuple[list[int], SamplingParams]:
@@ -24,7 +28,7 @@ def chat_prompt(tokenizer: Tokenizer, eos_token_ids, messages, *, add_generation
     """
     if tools:
         if not template_reads_tools(chat_template or tokenizer.chat_template or ""):
-            raise ValueError("this chat template does not render tools (it never reads `tools`); serve with "
+            raise ToolsUnsupportedError("this chat template does not render tools (it never reads `tools`); serve with "
                              "--chat-template FILE naming one that does (paged_jax.tool_calls.HERMES_TEMPLATE "
                              "is a ChatML one), or send the request without tools")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,

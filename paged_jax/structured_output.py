@@ -50,6 +50,20 @@ def grammar_text(params: GuidedDecodingParams) -> str:
     return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF (converted to Lark)
 
 
+def checked_grammar(params: GuidedDecodingParams, tokenizer: llguidance.LLTokenizer | None = None) -> str:
+    """The grammar text of `params`, validated (with a tokenizer, against its vocabulary too);
+    ValueError naming what is wrong. Without a tokenizer it is cheap enough for the server's
+    HTTP process to check each request before it reaches the engine."""
+    try:
+        grammar = grammar_text(params)
+    except ValueError as e:
+        raise ValueError(f"guided_decoding: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error and not error.startswith("WARNING"):
+        raise ValueError(f"guided_decoding: the grammar does not compile: {error}")
+    return grammar
+
+
 class StructuredOutputManager:
     """The matchers of the live guided requests, and the bitmasks they fill.
 
@@ -78,13 +92,7 @@ class StructuredOutputManager:
 
     @functools.lru_cache(maxsize=_GRAMMAR_CACHE_SIZE)  # noqa: B019 (one manager per engine)
     def _compiled(self, params: GuidedDecodingParams) -> llguidance.LLMatcher:
-        try:
-            grammar = grammar_text(params)
-        except ValueError as e:
-            raise ValueError(f"guided_decoding: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._lltokenizer)
-        if error and not error.startswith("WARNING"):
-            raise ValueError(f"guided_decoding: the grammar does not compile: {error}")
+        grammar = checked_grammar(params, self._lltokenizer)
         matcher = llguidance.LLMatcher(self._lltokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"guided_decoding: the grammar does not compile: {matcher.get_error()}")
