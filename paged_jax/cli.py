@@ -15,8 +15,9 @@
 from __future__ import annotations
 
 import argparse
-import itertools
+import errno
 import json
+import socket
 import sys
 import time
 
@@ -53,6 +54,24 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     s.add_argument("--top-p", type=float, default=1.0)
     s.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0; above 1 makes tokens already in the prompt or reply less likely (1 = off)")
+    s.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="in [-2, 2]; subtracted once from every token already generated (0 = off)")
+    s.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="in [-2, 2]; subtracted once per time a token was generated (0 = off)")
+
+
+def _port(text: str) -> int:
+    """argparse type of --port: checked before anything loads, so a typo costs no warm-up."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port: give 1 to 65535 (0: any free port, "
+                                         "printed once serving)")
+    return port
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_engine_args(v, {"warm_up": "full"})
     h = v.add_argument_group("server")
     h.add_argument("--host", default="127.0.0.1")
-    h.add_argument("--port", type=int, default=8000)
+    h.add_argument("--port", type=_port, default=8000)
     h.add_argument("--served-model-name", default=None, help="the model id clients send (default: --model)")
     h.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
     h.add_argument("--max-waiting-requests", type=int, default=256,
@@ -93,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
                         "(vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU; default: 1 on machines of 4 cores or "
                         "more, else 0). On few cores a small model whose engine makes thousands of "
                         "tokens/s serves more with 1 (docs/BENCHMARKS.md, section 11)")
+    h.add_argument("--restart-engine", action="store_true",
+                   help="when the engine process dies (e.g. the out-of-memory killer), fail its requests and "
+                        "start a new one (HTTP 503 while it warms up) instead of exiting with an error")
+    h.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
+                   help="request bodies larger than this get HTTP 413 (default: 8 MiB)")
 
     k = sub.add_parser("calibrate-kv", help="key offsets (and per-tensor scales) of a quantized KV cache, from text")
     k.set_defaults(parser=k)
@@ -147,7 +171,9 @@ def _sampling_params(args):
     from paged_jax.core.request import SamplingParams  # host-only: no jax yet
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos)
+                          top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty)
 
 
 def _read_chat_template(args) -> str | None:
@@ -171,7 +197,7 @@ def _compile_progress(args, progress: Progress):
     return compiled
 
 
-def _make_llm(args, progress: Progress):
+def _make_llm(args, progress: Progress | _LogProgress):
     """The LLM of the engine flags, its bucket compilation shown on `progress`."""
     from paged_jax import LLM  # jax loads here, after argument errors are out of the way
 
@@ -182,9 +208,47 @@ def _make_llm(args, progress: Progress):
     return LLM(warm_up_progress=_compile_progress(args, progress), **engine_config_kwargs(args))
 
 
-def _progress(console: Console, show: bool = True) -> Progress:
+class _LogProgress:
+    """rich's Progress (add_task, update) as plain lines on stdout, for a log: rich draws its
+    bar only on a terminal, and a warm-up of many minutes would leave a log silent. A line
+    every LOG_SECONDS or tenth of the total at most, and the last; a task counting up again
+    from below (a restarted engine process warming up) says so and is timed afresh."""
+
+    LOG_SECONDS = 5.0
+
+    def __init__(self):
+        self._tasks: list[dict] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def add_task(self, description: str, total: int | None = None) -> int:
+        now = time.perf_counter()
+        self._tasks.append({"description": description, "done": 0, "start": now, "said": now})
+        print(f"paged-jax: {description}", flush=True)
+        return len(self._tasks) - 1
+
+    def update(self, task: int, *, description: str, completed: int, total: int) -> None:
+        state, now = self._tasks[task], time.perf_counter()
+        restarted = completed < state["done"]
+        if restarted:
+            state["start"] = now
+        tenth = max(1, total // 10)
+        if (restarted or completed == total or now - state["said"] >= self.LOG_SECONDS
+                or completed // tenth > state["done"] // tenth):
+            print(f"paged-jax: {description} {completed}/{total} ({now - state['start']:.0f} s)", flush=True)
+            state["said"] = now
+        state["done"] = completed
+
+
+def _progress(console: Console, show: bool = True) -> Progress | _LogProgress:
+    if show and not console.is_terminal:
+        return _LogProgress()
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True, disable=not (show and console.is_terminal))
+                    console=console, transient=True, disable=not show)
 
 
 def generate(args, params, prompts: list[str], console: Console) -> int:
@@ -246,53 +310,6 @@ def generate(args, params, prompts: list[str], console: Console) -> int:
     return 0
 
 
-def chat(args, params, console: Console) -> int:
-    """Reads user turns from stdin until EOF or /exit; streams each reply as it is generated."""
-    from paged_jax.core.tokenizer import IncrementalDetokenizer
-
-    chat_template = _read_chat_template(args)
-    with _progress(console) as progress:
-        llm = _make_llm(args, progress)  # background warm-up: a person waits for one bucket, not all
-    engine = llm.engine
-    if chat_template is None and engine.tokenizer.chat_template is None:
-        # Refused before the first turn is typed: a base model (gemma-3-270m) has no chat format.
-        llm.shutdown()
-        raise ValueError(f"--model {args.model} has no chat template (a base model, not an instruction-tuned "
-                         "one): continue text with `generate`, or give one with --chat-template FILE")
-    messages = [{"role": "system", "content": args.system}] if args.system else []
-    interactive = sys.stdin.isatty()
-    for turn in itertools.count():
-        if interactive:
-            console.print("[bold]you>[/bold] ", end="")
-        line = sys.stdin.readline()
-        if not line or line.strip() == "/exit":
-            return 0
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        ids, turn_params = engine.chat_prompt(messages, sampling_params=params,  # stops at the turn's end
-                                              chat_template=chat_template)
-        request_id = f"chat-{turn}"
-        engine.add_request(request_id, ids, turn_params)
-        detok, start, output = IncrementalDetokenizer(engine.tokenizer), time.perf_counter(), None
-        console.print("[bold]assistant>[/bold] ", end="")
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.request_id == request_id:
-                    output = out
-                    console.print(detok.push(out.token_ids[len(detok.token_ids):]), end="", markup=False,
-                                  highlight=False, soft_wrap=True)
-        elapsed = time.perf_counter() - start
-        reply = output.text
-        messages.append({"role": "assistant", "content": reply})
-        n, ttft = len(output.token_ids), output.metrics.time_to_first_token
-        console.print()
-        console.print(f"[dim][{n} tokens, {n / elapsed:.1f} tok/s, TTFT {1e3 * ttft:.0f} ms, prefix cache hit "
-                      f"{output.metrics.num_cached_tokens}/{len(ids)} prompt tokens, {output.finish_reason}][/dim]",
-                      highlight=False)
-    return 0
-
-
 def _cpu_list(cpus) -> str:
     """(0, 1, 2, 5) -> 'cores 0-2,5'; () (no per-process affinity on this OS) -> 'every core'."""
     if not cpus:
@@ -306,29 +323,58 @@ def _cpu_list(cpus) -> str:
     return f"core{'s' if len(cpus) > 1 else ''} {','.join(runs)}"
 
 
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the warm-up: a port in use fails now, not after
+    minutes of compiling. It listens only once the engine is warm, so that until then a
+    client's connection is refused rather than left waiting in the backlog."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: {host}:{port} is already in use (another server?); pick another "
+                             "--port, or stop what listens there") from None
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({error.strerror or error}); "
+                         "give an address of this machine and a port it may use") from None
+    return sock
+
+
 def serve(args, console: Console) -> int:
     from paged_jax.engine_config import EngineConfig
-    from paged_jax.server import make_server
+    from paged_jax.server import EngineProcessError, make_server
 
     if args.data_parallel_size > 1 or args.coordinator_address:
         # The HTTP side feeds one engine in one process; replicas and multi-process engines
         # would need every process to see every request (paged_jax/multiprocess.py).
         raise ValueError("serve runs one engine in one process: use --tensor-parallel-size for several devices, "
                          "without --data-parallel-size or --coordinator-address")
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes {args.max_request_bytes} must be >= 1 (bytes of a request body)")
     chat_template = _read_chat_template(args)
     config = EngineConfig(**engine_config_kwargs(args))  # --warm-up full by default: /health once all compiled
-    with _progress(console) as progress:
-        # The engine runs in a process of its own (server/engine_core.py); this returns once it is warm.
-        server = make_server(config, host=args.host, port=args.port, model_name=args.served_model_name or args.model,
-                             api_key=args.api_key, max_waiting_requests=args.max_waiting_requests,
-                             chat_template=chat_template, progress=_compile_progress(args, progress),
-                             reserved_cpus=args.reserved_cpus)
-    core = server.engine.core
-    console.print(f"paged-jax: serving {args.served_model_name or args.model} at http://{args.host}:{args.port}/v1 "
-                  f"(warm: {server.engine.stats['num_compilations']} buckets compiled; engine on "
-                  f"{_cpu_list(core.cpus)}{f', {core.reserved} left to HTTP' if core.reserved else ''})",
-                  highlight=False)
-    server.run()
+    with _bind(args.host, args.port) as sock:
+        try:
+            with _progress(console) as progress:
+                # The engine runs in a process of its own (server/engine_core.py); this returns once it is warm.
+                server = make_server(config, host=args.host, port=args.port,
+                                     model_name=args.served_model_name or args.model, api_key=args.api_key,
+                                     max_waiting_requests=args.max_waiting_requests, chat_template=chat_template,
+                                     progress=_compile_progress(args, progress), reserved_cpus=args.reserved_cpus,
+                                     restart_engine=args.restart_engine, max_body_bytes=args.max_request_bytes)
+            sock.listen(2048)  # uvicorn's default backlog
+            core, port = server.engine.core, sock.getsockname()[1]
+            host = f"[{args.host}]" if ":" in args.host else args.host
+            console.print(f"paged-jax: serving {args.served_model_name or args.model} at http://{host}:{port}/v1 "
+                          f"(warm: {server.engine.stats['num_compilations']} buckets compiled; engine on "
+                          f"{_cpu_list(core.cpus)}{f', {core.reserved} left to HTTP' if core.reserved else ''})",
+                          highlight=False, soft_wrap=True)  # one line: a log greps it whole
+            sys.stdout.flush()  # a log (stdout not a terminal) sees the banner now, not at exit
+            server.run(sockets=[sock])
+        except EngineProcessError as error:  # it failed to start, or died (without --restart-engine)
+            print(f"paged-jax: error: {error}", file=sys.stderr, flush=True)
+            return 1
     return 0
 
 
@@ -388,6 +434,8 @@ def main(argv=None) -> int:
     console = Console()
     try:
         if args.command == "chat":
+            from paged_jax.chat_repl import chat
+
             return chat(args, params, console)
         if args.command == "serve":
             return serve(args, console)
@@ -397,6 +445,8 @@ def main(argv=None) -> int:
     except ValueError as error:  # bad input found later (model dir, cache sizes): what to change, no traceback
         print(f"paged-jax: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading or compiling: the user's choice, not a crash
+        return 130
 
 
 if __name__ == "__main__":

@@ -245,3 +245,41 @@ def test_every_engine_config_field_is_reachable_from_the_cli(tmp_path: Path):
     assert engine_config_kwargs(parser.parse_args(["serve"]))["warm_up"] == "full"
     assert engine_config_kwargs(parser.parse_args(["chat"]))["max_num_seqs"] == 4
     assert EngineConfig(**engine_config_kwargs(parser.parse_args(["chat"]))) == EngineConfig(max_num_seqs=4)
+
+
+def test_progress_prints_plain_lines_when_stdout_is_not_a_terminal(capsys, monkeypatch):
+    """rich draws nothing off a terminal: a log gets plain lines instead, one per tenth of the
+    buckets (or every LOG_SECONDS), and the last; a restarted warm-up is timed afresh. --json
+    keeps stdout for its records."""
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from paged_jax import cli
+
+    log = Console(file=io.StringIO(), force_terminal=False)
+    assert isinstance(cli._progress(log, show=False), Progress)  # generate --json: nothing printed
+    assert isinstance(cli._progress(Console(file=io.StringIO(), force_terminal=True)), Progress)
+    clock = iter(range(1000))
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: float(next(clock)) / 10)  # 0.1 s per call
+    with cli._progress(log) as progress:
+        compiled = cli._compile_progress(cli._parser().parse_args(["serve"]), progress)
+        for done in range(1, 41):
+            compiled(done, 40)
+        compiled(1, 40)  # a new engine process warming up
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "paged-jax: loading tiny, compiling the first bucket"
+    assert [line.split()[3] for line in lines[1:]] == [f"{n}/40" for n in range(4, 41, 4)] + ["1/40"]
+    assert lines[-2] == "paged-jax: compiling buckets 40/40 (4 s)" and lines[-1].endswith("(0 s)")
+
+
+def test_serve_port_is_checked_by_the_parser(capsys):
+    from paged_jax import cli
+
+    assert cli._parser().parse_args(["serve", "--port", "0"]).port == 0  # any free port, named in the banner
+    for bad in ("65536", "-1", "http"):
+        with pytest.raises(SystemExit) as exited:
+            cli._parser().parse_args(["serve", "--port", bad])
+        assert exited.value.code == 2
+        assert f"argument --port: {bad!r} is not a port: give 1 to 65535" in capsys.readouterr().err

@@ -14,7 +14,8 @@ afresh and never inherits the server's threads):
 - messages, engine -> server: ("progress", done, total) while buckets compile,
   ("ready", info) or ("failed", kind, message) once, then ("report", Report) per round.
 The engine process stops when its command pipe closes (the server shut down or died), and
-the server fails the open requests when the message pipe closes (the engine died).
+the server fails the open requests when the message pipe closes (the engine died: the
+out-of-memory killer's SIGKILL, a crash in native code), naming the exit code or signal.
 
 On the CPU backend the engine process can leave cores to the HTTP process (vLLM's
 VLLM_CPU_NUM_OF_RESERVED_CPU), pinned before jax starts: XLA sizes its CPU thread pool by the
@@ -36,6 +37,7 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import threading
 from collections.abc import Callable
 
@@ -134,7 +136,7 @@ class ProcessCore:
     EngineProcessError if the process failed otherwise or exited.
     Attributes: tokenizer, max_model_len, eos_token_ids, stats (the engine's stats when it was ready; the
       AsyncEngine keeps the latest from each report), cpus (the cores the engine process may
-      use), reserved (the cores it left to this process).
+      use), reserved (the cores it left to this process), pid (the engine process's).
     """
 
     def __init__(self, config, *, progress: Callable[[int, int], None] | None = None,
@@ -147,6 +149,7 @@ class ProcessCore:
                                         args=(config, command_reader, message_writer, reserved_cpus),
                                         name="paged-jax-engine", daemon=True)
         self._process.start()
+        self.pid: int = self._process.pid
         command_reader.close()  # the engine process holds the other ends now
         message_writer.close()
         self._progress = progress
@@ -197,6 +200,7 @@ class ProcessCore:
                 pass
             finally:
                 self._exited = True
+                self._process.join(5)  # the pipe closes as it dies: reap it, for describe_exit's code
                 on_exit()
 
         def send() -> None:
@@ -218,6 +222,18 @@ class ProcessCore:
 
     def is_alive(self) -> bool:
         return not self._exited and self._process.is_alive()
+
+    def describe_exit(self) -> str:
+        """How the engine process ended, for the requests it failed and the server's log."""
+        code = self._process.exitcode
+        if code is None:
+            how = "closed its pipe to the server"
+        elif code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+            how = f"was killed by {name}" + (" (the out-of-memory killer sends it)" if -code == signal.SIGKILL else "")
+        else:
+            how = f"exited with code {code}"
+        return f"the engine process (pid {self.pid}) {how}"
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Closes the command pipe (the engine fails what runs, reports it, and exits), waits

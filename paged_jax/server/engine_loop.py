@@ -18,7 +18,9 @@ interpreter lock.
 No request is lost or answered twice: every added request ends with exactly one final
 delta (finished, aborted or failed), and the HTTP layer aborts a request whose response
 ended early (a client that disconnected, a stop string); an abort of a finished request is
-a no-op. If the core itself ends (the engine process died), the open requests fail.
+a no-op. If the core itself ends (the engine process died), the open requests fail with
+the core's account of how it ended, and the AsyncEngine's owner decides what follows
+(PagedJaxServer stops, or starts a fresh core and hands it to replace_core).
 """
 
 from __future__ import annotations
@@ -181,6 +183,9 @@ class ThreadCore:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def describe_exit(self) -> str:
+        return "the engine loop stopped"
+
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._loop is not None:
             self._loop.stop()
@@ -203,27 +208,62 @@ class AsyncEngine:
     """Serves an engine core to asyncio code.
 
     Args:
-      core: a ThreadCore or a ProcessCore (start, submit, is_alive, shutdown, stats).
+      core: a ThreadCore or a ProcessCore (start, submit, is_alive, describe_exit, shutdown, stats).
       max_waiting_requests: requests queued beyond the running ones before new ones get
         QueueFullError (HTTP 503) instead of unbounded memory.
       metrics: optional object with on_step(stats), on_tokens(num_tokens, seconds, first) and
         on_finished(reason, num_tokens) (server/metrics.py).
+      on_core_exit: optional callable(core, message), called on the core's thread once its open
+        requests have failed, when the core ended without shutdown() (the engine process died).
+        While no core is alive, new requests get QueueFullError (503) and is_alive() is False.
+
+    self.core is the core serving now; replace_core swaps in a fresh one after a death. A
+    core's exit only ever fails the requests of that core: they are the ones in _streams,
+    because a dead core takes no new ones and the next core starts with none.
     """
 
-    def __init__(self, core, *, max_waiting_requests: int = 256, metrics=None):
+    def __init__(self, core, *, max_waiting_requests: int = 256, metrics=None,
+                 on_core_exit: Callable[[object, str], None] | None = None):
         self.core = core
         self.max_waiting_requests = max_waiting_requests
         self.metrics = metrics
         self.stats: dict = core.stats
+        self._on_core_exit = on_core_exit
+        self._closing = False  # shutdown() began: a core ending now is no death
         self._streams: dict[str, _Stream] = {}  # added and not finished; guarded by _lock
         self._lock = threading.Lock()
 
     # lifecycle
     def start(self) -> None:
-        self.core.start(self._on_report, lambda: self._fail_all("the engine stopped"))
+        self._start_core(self.core)
+
+    def replace_core(self, core) -> bool:
+        """Serves from `core` (a fresh one, not started, after the last one died). False, and
+        `core` shut down, if this engine is shutting down meanwhile."""
+        with self._lock:
+            assert not self.core.is_alive(), "replace_core is for a dead core: two would serve"
+            if not self._closing:
+                self.core, self.stats = core, core.stats
+        if self.core is not core:
+            core.shutdown()
+            return False
+        self._start_core(core)
+        return True
+
+    def _start_core(self, core) -> None:
+        def exited() -> None:
+            message = core.describe_exit()
+            self._fail_all(message)
+            if not self._closing and self._on_core_exit is not None:
+                self._on_core_exit(core, message)
+
+        core.start(self._on_report, exited)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        self.core.shutdown(timeout)
+        with self._lock:  # after this, replace_core swaps in no new core
+            self._closing = True
+            core = self.core
+        core.shutdown(timeout)
         self._fail_all("the server is shutting down")  # what the core could not report any more
 
     def is_alive(self) -> bool:
@@ -244,7 +284,8 @@ class AsyncEngine:
         """
         stream = _Stream(asyncio.get_running_loop(), time.perf_counter())
         with self._lock:
-            if not self.core.is_alive():
+            core = self.core
+            if not core.is_alive():
                 raise QueueFullError("the engine is not running")
             # Added and unfinished, minus the running batch of the last report: the requests
             # that wait, queued in the engine or still on their way to it.
@@ -253,7 +294,7 @@ class AsyncEngine:
                 raise QueueFullError(f"{num_waiting} requests are already waiting "
                                      f"(--max-waiting-requests {self.max_waiting_requests}); retry later")
             self._streams[request_id] = stream
-        self.core.submit(("add", request_id, prompt, params))
+        core.submit(("add", request_id, prompt, params))
         try:
             await asyncio.wrap_future(stream.added)  # ValueError from the engine's checks surfaces here
         except asyncio.CancelledError:

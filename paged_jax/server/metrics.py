@@ -49,6 +49,9 @@ class ServerMetrics:
                                                "Tokens a verification row emits, on average (accepted + 1).")
         self.reserved_cpus = gauge("paged_jax:engine_reserved_cpus",
                                    "Cores the engine process leaves to the HTTP process (CPU backend).")
+        self.engine_restarts = Counter("paged_jax:engine_restarts",
+                                       "Engine processes started after one died (serve --restart-engine).",
+                                       list(labels), registry=self.registry).labels(**labels)
         self._model_name = model_name
 
     def on_step(self, stats: dict) -> None:
