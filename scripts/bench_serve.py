@@ -12,7 +12,12 @@ and output-token throughput.
 
 Then, at saturation (--requests requests at once), the server and LLM.generate (same engine
 flags, in a warm process of its own) take --saturation-reps turns on the same prompts: the
-server's median token throughput must be >= 90% of LLM.generate's. Writes
+server's median token throughput must be >= 90% of LLM.generate's.
+
+Constrained decoding's cost (structured outputs): --guided-reps turns at saturation where the
+same requests run free, all guided by a regex that never closes (`[a-z ]+`: every step
+computes every mask) and all guided by an open JSON array schema, side by side; the table
+gives tok/s and ms per step of each against the free turn. Writes
 results/bench_serve_<model>.json.
 """
 
@@ -155,14 +160,22 @@ async def stream_completion(host: str, port: int, body: dict, path: str = "/v1/c
         writer.close()
 
 
-async def run_rate(url: str, model: str, prompts, max_tokens: int, rate: float, seed: int) -> dict:
+GUIDED = {  # the extra body fields of each constrained turn (vLLM's names)
+    "free": {},
+    "regex": {"guided_regex": "[a-z ]+"},
+    "json array": {"guided_json": {"type": "array", "items": {"type": "integer"}}},
+}
+
+
+async def run_rate(url: str, model: str, prompts, max_tokens: int, rate: float, seed: int,
+                   extra: dict | None = None) -> dict:
     host, port = url.removeprefix("http://").split(":")
     rng = np.random.default_rng(seed)
     records = []
 
     async def one(prompt):
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "ignore_eos": True, "return_token_ids": True}
+                "ignore_eos": True, "return_token_ids": True, **(extra or {})}
         sent = time.perf_counter()
         times, count = await stream_completion(host, int(port), body)
         records.append((sent, times, count))
@@ -201,6 +214,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reserved-cpus", type=int, default=None,
                         help="the server's --reserved-cpus (default: the server's own, one core while HTTP is busy)")
     parser.add_argument("--quick", action="store_true", help="16 requests per rate, rates 4,inf, 32 tokens")
+    parser.add_argument("--guided-reps", type=int, default=2,
+                        help="turns of free vs constrained requests at saturation (0 skips them)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
@@ -265,6 +280,15 @@ def main(argv=None) -> int:
             reserved.append(metric(url, "paged_jax:engine_reserved_cpus"))
             print(f"saturation: server {turn[0]:.1f} vs LLM.generate {turn[1]:.1f} (all cores), {turn[2]:.1f} "
                   f"(fewer) tok/s; the engine leaves {reserved[-1]:g} core(s) to HTTP", flush=True)
+        guided_turns = []
+        for _ in range(args.guided_reps):
+            turn = {}
+            for name, extra in GUIDED.items():
+                turn[name] = asyncio.run(run_rate(url, args.model, saturation_prompts, args.max_tokens,
+                                                  float("inf"), args.seed, extra))
+            guided_turns.append(turn)
+            print("constrained: " + ", ".join(f"{name} {r['output_token_throughput']:.1f} tok/s"
+                                              for name, r in turn.items()), flush=True)
         compiles = metric(url, "paged_jax:num_compilations")
     finally:
         for process in (server, *offline.values()):
@@ -290,6 +314,16 @@ def main(argv=None) -> int:
     print_table(f"cores kept busy during the server's saturation turns ({os.cpu_count()} on this machine)",
                 ["turn", "HTTP process", "engine process", "benchmark client", "total"],
                 [[str(i + 1), *(f"{x:.2f}" for x in c), f"{sum(c):.2f}"] for i, c in enumerate(cores)])
+    if guided_turns:
+        n = len(saturation_prompts)
+        medians = {name: float(np.median([t[name]["output_token_throughput"] for t in guided_turns]))
+                   for name in GUIDED}
+        tpot = {name: float(np.median([t[name]["tpot_ms_p50"] for t in guided_turns])) for name in GUIDED}
+        print_table(f"constrained decoding at saturation, {n} requests at once, medians of {len(guided_turns)} "
+                    f"turns (free, then each constrained kind, on the same prompts)",
+                    ["requests", "out tok/s", "vs free", "TPOT p50 ms", "extra ms per token"],
+                    [[name, f"{medians[name]:.1f}", f"{medians[name] / medians['free']:.0%}", f"{tpot[name]:.1f}",
+                      f"{tpot[name] - tpot['free']:+.1f}"] for name in GUIDED])
     print(f"saturation, medians of {len(turns)} turns: server {served:.1f} tok/s vs LLM.generate {generated:.1f} "
           f"tok/s = {ratio:.0%} (target >= 90%); vs LLM.generate on {cpus} {generated_pinned:.1f} tok/s "
           f"= {served / generated_pinned:.0%}; the server's compilations: {compiles:g}")
@@ -299,7 +333,7 @@ def main(argv=None) -> int:
               "reserved_cpus_flag": args.reserved_cpus, "engine_reserved_cpus_after_turns": reserved,
               "offline_fewer_cpus": engine_cpus, "server_tokens_per_s": served, "offline_tokens_per_s": generated,
               "saturation_vs_offline": ratio, "offline_engine_cpus_tokens_per_s": generated_pinned,
-              "saturation_vs_offline_engine_cpus": served / generated_pinned}
+              "saturation_vs_offline_engine_cpus": served / generated_pinned, "guided_turns": guided_turns}
     suffix = ("" if args.reserved_cpus is None else f"_reserved{args.reserved_cpus}") + ("_quick" if args.quick else "")
     write_json(os.path.join(REPO, "results", f"bench_serve_{os.path.basename(args.model)}{suffix}.json"), result)
     return 0

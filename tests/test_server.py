@@ -46,7 +46,14 @@ def running_server(**kwargs):
     engine_args.update(kwargs.pop("engine_args", {}))
     engine = LLMEngine(EngineConfig(model="tiny", **engine_args), model=base.model, tokenizer=base.tokenizer)
     kwargs.setdefault("chat_template", CHATML)
-    server = make_server(engine, model_name=MODEL, **kwargs)
+    with serving(make_server(engine, model_name=MODEL, **kwargs)) as (url, server):
+        yield url, server, engine
+
+
+@contextlib.contextmanager
+def serving(server):
+    """Runs a PagedJaxServer on a thread, on a free loopback port; yields (url, server) once
+    it accepts connections and stops it on exit."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -58,7 +65,7 @@ def running_server(**kwargs):
         assert time.time() < deadline and thread.is_alive(), "the server did not start"
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", server, engine
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.stop()
         thread.join(30)
