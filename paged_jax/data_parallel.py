@@ -168,6 +168,7 @@ class DataParallelEngine:
         total = {key: sum(stats[key] for stats in per_replica)
                  for key in ("num_running_reqs", "num_waiting_reqs", "num_preemptions", "num_finished", "num_aborted",
                              "prefix_cache_queries", "prefix_cache_hits", "num_compilations", "num_generated_tokens",
+                             "num_prompt_tokens_computed",
                              "num_blocks", "kv_cache_bytes")}
         queries = total["prefix_cache_queries"]
         return {

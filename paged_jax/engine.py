@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import threading
 import time
 
 import jax
@@ -19,6 +20,7 @@ from paged_jax.compile_cache import enable_compile_cache
 from paged_jax.core.batch import StepInputsBuilder, build_logits_processing
 from paged_jax.core.hashing import digest_nbytes
 from paged_jax.core.kv_cache_manager import KVCacheManager
+from paged_jax.core.kv_connector import TransferConnectorScheduler, remote_kv_params
 from paged_jax.core.kv_events import KVEventLog
 from paged_jax.core.request import Request, SamplingParams
 from paged_jax.core.scheduler import Scheduler
@@ -27,7 +29,7 @@ from paged_jax.core.tokenizer import Tokenizer
 from paged_jax.draft_proposer import DraftModelProposer, check_draft_model
 from paged_jax.engine_config import EngineConfig
 from paged_jax.multiprocess import check_multiprocess_config
-from paged_jax.offload_tiers import build_offload_manager
+from paged_jax.offload_tiers import build_offload_manager, model_fingerprint
 from paged_jax.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from paged_jax.kv_pool import KVPool
 from paged_jax.runner import ModelRunner
@@ -86,7 +88,20 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(self.cache_config, self.offload, self.kv_events)
         if self.offload is not None and c.warm_up != "none":
             self.runner.pool.warm_up_page_copies()
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        # Disaggregation (core/kv_connector.py): the connector's two sides. Every step holds
+        # self._lock; the producer's side channel gathers pages under it.
+        self._lock = threading.RLock()
+        self.kv_connector = self.kv_worker = None
+        transfer_config = c.kv_transfer_config
+        if transfer_config is not None:
+            from paged_jax.kv_transfer import TransferKVWorker, transfer_meta  # jax.experimental.transfer
+
+            meta = transfer_meta(self.cache_config, self.runner.pool, model_fingerprint(self.model))
+            self.kv_worker = TransferKVWorker(transfer_config, self.runner.pool, meta, self._lock)
+            self.kv_connector = TransferConnectorScheduler(
+                transfer_config, self.cache_config.block_size, self.kv_worker.address,
+                tuple(group.sliding_window for group in self.cache_config.kv_cache_groups))
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, self.kv_connector)
         self.spec_config = c.spec_config
         if self.spec_config is not None:
             self.scheduler.spec_stats = SpecDecodeStats(self.spec_config.num_speculative_tokens)
@@ -166,6 +181,8 @@ class LLMEngine:
             params = dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + self._extra_eos_ids)
         request = Request(request_id, prompt_token_ids, params, cache_salt=cache_salt,
                           eos_token_id=self._eos_token_id, arrival_time=arrival_time)
+        if self.kv_connector is not None and self.kv_connector.config.can_consume:
+            request.remote_kv = remote_kv_params(params)  # ValueError naming a missing key
         if request_id in self._live:  # before touching the live request's matcher
             raise ValueError(f"request id {request_id!r} is already in use; give each request a unique id")
         if params.guided_decoding is not None:
@@ -196,6 +213,9 @@ class LLMEngine:
         """Stops a request and frees its blocks; False if it is unknown or already done."""
         if not self.scheduler.abort_request(request_id):
             return False
+        if self.kv_worker is not None:  # a cancelled pull: its pages must not land in freed blocks
+            with self._lock:
+                self.kv_worker.start_load_kv(self.kv_connector.build_connector_meta())
         self.structured_output.remove(request_id)
         _, output = self._live.pop(request_id)
         completion = output.outputs[0]
@@ -205,7 +225,9 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to run, or a KV transfer's event to apply (a pull landed, an offer was
+        released or expired): a step handles either."""
+        return self.scheduler.has_unfinished_requests() or (self.kv_worker is not None and self.kv_worker.has_events())
 
     @property
     def max_model_len(self) -> int:
@@ -227,12 +249,29 @@ class LLMEngine:
             self.drafter.runner.stop()
         if self.offload is not None and self.offload.disk is not None:
             self.offload.disk.close()
+        if self.kv_worker is not None:
+            self.kv_worker.close()
 
     # one step
     def step(self) -> list[RequestOutput]:
         """Schedules, runs one jitted step and applies its tokens; returns the outputs of
-        the requests that got a token (finished ones have finished=True)."""
+        the requests that got a token (finished ones have finished=True).
+
+        With a KV connector the step first applies what its worker finished, and a step
+        with nothing to run while pulls are in flight waits briefly for one to land."""
+        with self._lock:
+            outputs, num_seqs = self._step()
+        if num_seqs == 0 and self.scheduler.remote_waiting:
+            self.kv_worker.progress.wait(0.02)
+        return outputs
+
+    def _step(self) -> tuple[list[RequestOutput], int]:
+        worker = self.kv_worker
+        if worker is not None:
+            self.scheduler.update_connector_output(worker.get_finished())
         scheduler_output = self.scheduler.schedule()
+        if worker is not None:
+            worker.start_load_kv(self.kv_connector.build_connector_meta())
         inputs = self.input_builder.build(scheduler_output)
         copies = self.kv_cache_manager.take_step_copies()
         spec = None if self.spec_config is None else self.input_builder.spec_metadata(
@@ -254,7 +293,9 @@ class LLMEngine:
                     self.structured_output.remove(core.request_id)
         if self.spec_config is not None:
             self._propose(scheduler_output)
-        return self._make_outputs(core_outputs)
+        if worker is not None:  # offers of requests that just finished: pullable before anyone learns of them
+            worker.start_load_kv(self.kv_connector.build_connector_meta())
+        return self._make_outputs(core_outputs), scheduler_output.num_seqs
 
     def _propose(self, scheduler_output) -> None:
         """Proposals for every decoding request (core/spec_decode.py), at most proposal_budget
@@ -291,6 +332,7 @@ class LLMEngine:
                 metrics.first_token_time = now
                 metrics.num_cached_tokens = max(core.num_cached_tokens, 0)
             if core.finish_reason is not None:
+                output.kv_transfer_params = core.kv_transfer_params
                 completion.finish_reason, completion.stop_reason = core.finish_reason, core.stop_reason
                 completion.text = self.tokenizer.decode(completion.token_ids)
                 output.finished, metrics.finished_time = True, now
@@ -323,6 +365,22 @@ class LLMEngine:
             "attention_impl": self.runner.attention_impl,
             "backend": jax.default_backend(),
             **self._offload_stats(),
+            **self._kv_transfer_stats(),
+        }
+
+    def _kv_transfer_stats(self) -> dict:
+        """Pulls, pulled tokens and fallbacks (consumer), offers and pinned blocks (producer)."""
+        if self.kv_connector is None:
+            return {}
+        stats = self.kv_connector.stats
+        return {
+            "kv_role": self.kv_connector.config.kv_role,
+            "num_remote_loads": stats.num_remote_loads,
+            "num_remote_load_failures": stats.num_remote_load_failures,
+            "num_external_tokens": stats.num_external_tokens,
+            "num_kv_offers": stats.num_offers,
+            "num_kv_pinned_requests": self.kv_connector.num_pinned,
+            **self.kv_worker.as_dict(),
         }
 
     def _offload_stats(self) -> dict:

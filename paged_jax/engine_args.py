@@ -21,7 +21,7 @@ import types
 import typing
 
 from paged_jax.core.kv_quant import load_kv_calibration
-from paged_jax.engine_config import CACHE, DEVICES, OFFLOAD, SPEC, EngineConfig
+from paged_jax.engine_config import CACHE, DEVICES, DISAGG, OFFLOAD, SPEC, EngineConfig
 
 MIB = 1 << 20
 
@@ -62,7 +62,7 @@ def add_engine_args(parser: argparse.ArgumentParser, defaults: dict | None = Non
       The argument groups by name (the CLI adds its own flags of a group there).
     """
     defaults, default_help = defaults or {}, default_help or {}
-    groups = {name: parser.add_argument_group(name) for name in (CACHE, OFFLOAD, DEVICES, SPEC)}
+    groups = {name: parser.add_argument_group(name) for name in (CACHE, OFFLOAD, DEVICES, SPEC, DISAGG)}
     hints = typing.get_type_hints(EngineConfig)
     for field in _user_fields():
         meta = field.metadata

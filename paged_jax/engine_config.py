@@ -17,6 +17,7 @@ import numpy as np
 from paged_jax.compile_cache import AUTO_COMPILE_CACHE, WARM_UP_MODES, check_compile_cache_dir
 from paged_jax.core.config import CacheConfig, SchedulerConfig, check_hash_seed, check_int, check_power_of_two
 from paged_jax.core.hashing import HASH_FNS, get_hash_fn_by_name
+from paged_jax.core.kv_connector import KV_ROLES, KVTransferConfig
 from paged_jax.core.kv_quant import (KV_CACHE_DTYPES, KV_CACHE_SCALINGS, check_key_offsets, check_kv_cache_scaling,
                                      check_scale, get_kv_quant_format)
 from paged_jax.core.offload import PREEMPTION_MODES, OffloadConfig
@@ -41,6 +42,7 @@ CACHE = "model and cache"
 OFFLOAD = "offload tiers (host memory, disk)"
 DEVICES = "devices and hosts (README: several devices and hosts)"
 SPEC = "speculative decoding"
+DISAGG = "prefill/decode disaggregation (README: disaggregated serving)"
 
 
 def knob(default, help: str, *, choices: tuple | None = None, group: str = CACHE, flag: str | None = None,
@@ -152,9 +154,24 @@ class EngineConfig:
         "(prompt lookup: propose what followed the latest earlier occurrence of the last n tokens), or "
         '{"method": "draft_model", "model": "<a smaller model, same vocabulary>", "num_speculative_tokens": 4}',
         group=SPEC)
+    # prefill/decode disaggregation (paged_jax/core/kv_connector.py, kv_transfer.py)
+    kv_role: str | None = knob(None, "producer: keep each finished prompt's KV (kv_transfer_params do_remote_decode) "
+                               "for a consumer to pull; consumer: pull the KV a request's kv_transfer_params point "
+                               "at instead of prefilling it; both (default: off)", choices=KV_ROLES, group=DISAGG)
+    kv_host: str = knob("127.0.0.1", "address the producer's KV side channel and transfer server bind to",
+                        group=DISAGG)
+    kv_port: int = knob(0, "port of the producer's KV side channel (0: any free one; it travels in "
+                        "kv_transfer_params)", group=DISAGG)
+    kv_peers: str | None = knob(None, "producers' side channels a consumer checks at start-up, comma-separated "
+                                "host:port (a mismatched page layout or hash chain fails there)", group=DISAGG)
+    kv_transfer_timeout: float = knob(30.0, "seconds a consumer waits for a pull before prefilling locally, and a "
+                                      "producer pins an offer nobody pulls", group=DISAGG)
     # resolved in __post_init__, not set by the caller: the offload tiers' config, built (and
     # validated) once from the offload_* fields; None without a host tier.
     offload_config: OffloadConfig | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # ... the KVTransferConfig of the kv_* fields; None without a kv_role.
+    kv_transfer_config: KVTransferConfig | None = dataclasses.field(default=None, init=False, repr=False,
+                                                                    compare=False)
     # ... and speculative_config parsed (SpeculativeConfig); None without speculation.
     spec_config: SpeculativeConfig | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
@@ -195,6 +212,7 @@ class EngineConfig:
             raise ValueError(f"attention_impl={self.attention_impl!r} must be one of {ATTENTION_IMPLS} ('pallas' is "
                              "the old name of 'triton'), or None: triton on GPU, xla elsewhere")
         self._check_offload()
+        self._check_kv_transfer()
         spec = SpeculativeConfig.parse(self.speculative_config)  # ValueError naming the key
         object.__setattr__(self, "spec_config", spec)
         if isinstance(self.speculative_config, dict):  # the config stays hashable like its other fields
@@ -248,6 +266,21 @@ class EngineConfig:
                 raise ValueError("offload_disk_dir keeps prefix-cache blocks; it needs enable_prefix_caching=True")
         if not isinstance(self.enable_kv_events, bool):
             raise ValueError(f"enable_kv_events={self.enable_kv_events!r} must be True or False")
+
+    def _check_kv_transfer(self) -> None:
+        if self.kv_role is None:
+            if self.kv_peers is not None:
+                raise ValueError("kv_peers are the producers a consumer pulls from; set kv_role='consumer' or 'both'")
+            return
+        peers = () if self.kv_peers is None else tuple(p.strip() for p in str(self.kv_peers).split(",") if p.strip())
+        config = KVTransferConfig(self.kv_role, self.kv_host, self.kv_port, peers, self.kv_transfer_timeout)
+        if self.hash_seed is None:
+            raise ValueError(f"kv_role={self.kv_role!r} needs a fixed hash_seed (the same on producer and consumer): "
+                             "with a random chain root their block hashes could never agree")
+        if self.tensor_parallel_size > 1 or self.data_parallel_size > 1:
+            raise ValueError(f"kv_role={self.kv_role!r} moves one device's pages; run it with tensor_parallel_size=1 "
+                             "and data_parallel_size=1 (one engine per process)")
+        object.__setattr__(self, "kv_transfer_config", config)
 
     def kv_cache_specs(self, model, draft_model=None) -> tuple:
         """Every layer's cache spec in the pool, in this config's KV format: the model's

@@ -324,6 +324,39 @@ class KVPool:
             chunks.append([np.asarray(page)[: len(part)] for page in jax.device_get(gather(self.kv_caches, ids))])
         return chunks[0] if len(chunks) == 1 else [np.concatenate(leaf) for leaf in zip(*chunks)]
 
+    # page arrays (KV transfers between engines, paged_jax/kv_transfer.py)
+    def gather_page_arrays(self, block_ids) -> list:
+        """The pages of block_ids (at most MAX_PAGE_COPY) as arrays [bucket, block_size, ...]
+        per leaf, left where the copy program puts them (no host round trip): rows past
+        len(block_ids) hold the null block's page. Waits until they are computed, so a step
+        may donate the caches right after."""
+        assert 0 < len(block_ids) <= MAX_PAGE_COPY, len(block_ids)
+        ids = np.zeros(_page_bucket(len(block_ids)), np.int32)
+        ids[: len(block_ids)] = block_ids
+        gather, _ = self._page_programs_for(len(ids))
+        return jax.block_until_ready(gather(self.kv_caches, ids))
+
+    def page_array_specs(self, num_blocks: int) -> list:
+        """What gather_page_arrays returns for num_blocks blocks, as ShapeDtypeStructs with
+        the shardings put_page_arrays takes (what a transfer pulls)."""
+        bucket = _page_bucket(num_blocks)
+        self._page_programs_for(bucket)  # settles page_copy_memory_kind
+        leaves = [leaf for cache in self.kv_caches for leaf in cache]
+        pinned = self._pinned_page_shardings() if self.page_copy_memory_kind == "pinned_host" else None
+        return [jax.ShapeDtypeStruct((bucket, *leaf.shape[1:]), leaf.dtype,
+                                     sharding=leaf.sharding if pinned is None else pinned[i])
+                for i, leaf in enumerate(leaves)]
+
+    def put_page_arrays(self, block_ids, pages: list) -> None:
+        """Writes arrays shaped as page_array_specs(len(block_ids)) into block_ids, in place
+        (the caches are donated; padding rows write the null page)."""
+        bucket = pages[0].shape[0]
+        assert len(block_ids) <= bucket == _page_bucket(len(block_ids)), (len(block_ids), bucket)
+        ids = np.zeros(bucket, np.int32)
+        ids[: len(block_ids)] = block_ids
+        _, put = self._page_programs_for(bucket)
+        self.kv_caches = list(put(self.kv_caches, ids, list(pages)))
+
     def put_pages(self, block_ids: np.ndarray, pages: list[np.ndarray]) -> None:
         """Writes pages (one array [n, block_size, ...] per leaf) into block_ids, in place: the
         caches are donated to the program (padding rows write the null page)."""

@@ -39,6 +39,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False, default=None)
+    # A producer's finished request (disaggregation): where a consumer pulls its prompt's KV.
+    kv_transfer_params: dict | None = None
 
     @property
     def text(self) -> str:

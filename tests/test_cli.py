@@ -223,7 +223,8 @@ def test_every_engine_config_field_is_reachable_from_the_cli(tmp_path: Path):
                 {k: v for k, v in defaults.items() if k != field.name}, f"{' '.join(argv)} set other fields"
 
     # The explicit exceptions: each names its flag, and the flag sets the field.
-    assert [f.name for f in dataclasses.fields(EngineConfig) if not f.init] == ["offload_config", "spec_config"]  # resolved
+    assert [f.name for f in dataclasses.fields(EngineConfig) if not f.init] == [
+        "offload_config", "kv_transfer_config", "spec_config"]  # resolved
     exceptions = {f.name: f.metadata["via"] for f in _user_fields() if f.metadata["via"]}
     assert sorted(exceptions) == ["kv_key_offsets", "kv_scales", "offload_host_bytes"]
     flags = argparse.ArgumentParser()

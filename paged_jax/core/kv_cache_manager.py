@@ -205,7 +205,7 @@ class KVCacheManager:
     # ------------------------------------------------------------------ allocation
     def allocate_slots(self, request: Request, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlocks | None = None,
-                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+                       num_lookahead_tokens: int = 0, delay_cache_blocks: bool = False) -> KVCacheBlocks | None:
         """Make room for num_new_tokens more tokens of request in every group; all or nothing.
 
         Token layout of the request after this call:
@@ -229,6 +229,8 @@ class KVCacheManager:
           num_new_computed_tokens: tokens covered by new_computed_blocks (>= 0).
           new_computed_blocks: blocks from get_computed_blocks, or None.
           num_lookahead_tokens: extra slots for speculative decoding (>= 0).
+          delay_cache_blocks: cache none of the new blocks now (the external zone of a
+            remote prefill: its pages are not in yet; cache_blocks once they are).
         Returns:
           The newly allocated blocks per group (possibly all empty), or None when they do
           not fit, in which case nothing changed but the freeing of blocks before a window.
@@ -293,7 +295,7 @@ class KVCacheManager:
                 self.prefix_cache_stats.record(*lookup)
         new_blocks = coordinator.allocate_new_blocks(request_id, num_tokens_need_slot)
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             # Lookahead slots hold unverified tokens: never cache them.
             num_tokens_to_cache = num_computed_tokens + num_new_tokens
             num_tokens = len(request.all_token_ids)
@@ -301,6 +303,14 @@ class KVCacheManager:
         if first_allocation and self.offload is not None:
             self.offload.on_allocated(request, coordinator.get_blocks(request_id), len(hits[0]))
         return KVCacheBlocks(new_blocks)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Caches the request's full blocks among its first num_tokens tokens (a remote
+        prefill's, once its pages are in), after a sliding-window group freed the blocks
+        the window of token num_tokens no longer sees (never filled: nothing to keep)."""
+        self.coordinator.remove_skipped_blocks(request.request_id, num_tokens)
+        if self.enable_caching:
+            self.coordinator.cache_blocks(request, min(num_tokens, len(request.all_token_ids)))
 
     def _check_computed_blocks(self, request: Request, first_allocation: bool,
                                new_computed_blocks: KVCacheBlocks | None) -> tuple:

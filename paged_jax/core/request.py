@@ -23,6 +23,7 @@ class RequestStatus(enum.IntEnum):
     """Lifecycle of a request; every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # blocks allocated, its external KV still arriving (kv_connector.py)
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -129,6 +130,11 @@ class SamplingParams:
         negative ones of every token in the prompt or the output (the CTRL / HF rule).
       guided_decoding: a GuidedDecodingParams: every sampled token must keep the output
         inside its grammar (structured outputs), or None.
+      kv_transfer_params: prefill/decode disaggregation (core/kv_connector.py), a JSON object:
+        {"do_remote_decode": true} asks a producer engine to keep the prompt's KV for a
+        consumer to pull; what the producer returns (its RequestOutput.kv_transfer_params,
+        with "do_remote_prefill": true) asks a consumer to pull it instead of prefilling.
+        Kept as its JSON text (the params stay hashable); read it with `transfer_params`.
     """
 
     max_tokens: int = 16
@@ -143,6 +149,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     guided_decoding: GuidedDecodingParams | None = None
+    kv_transfer_params: dict | str | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -176,6 +183,25 @@ class SamplingParams:
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, GuidedDecodingParams):
             raise ValueError(f"guided_decoding must be a GuidedDecodingParams or None, "
                              f"got {type(self.guided_decoding).__name__}")
+        if self.kv_transfer_params is not None:
+            params = self.kv_transfer_params
+            if isinstance(params, str):
+                try:
+                    params = json.loads(params)
+                except json.JSONDecodeError:
+                    params = None
+            if not isinstance(params, dict):
+                raise ValueError(f"kv_transfer_params={self.kv_transfer_params!r} must be a JSON object (a dict), "
+                                 "e.g. {\"do_remote_decode\": true}, or None")
+            try:
+                object.__setattr__(self, "kv_transfer_params", json.dumps(params, sort_keys=True))
+            except TypeError as e:
+                raise ValueError(f"kv_transfer_params must hold JSON values only ({e})") from None
+
+    @property
+    def transfer_params(self) -> dict | None:
+        """kv_transfer_params as a dict (None when not set)."""
+        return None if self.kv_transfer_params is None else json.loads(self.kv_transfer_params)
 
     @property
     def has_penalties(self) -> bool:
@@ -204,7 +230,8 @@ class Request:
     `num_computed_tokens` counts tokens whose K/V is in the cache (set by the scheduler);
     `num_cached_tokens` is the prefix-cache hit of its first schedule (-1 until known);
     `spec_token_ids` are tokens proposed for its next step (speculative decoding,
-    core/spec_decode.py): not part of its tokens until the target accepts them.
+    core/spec_decode.py): not part of its tokens until the target accepts them;
+    `remote_kv` the kv_transfer_params of KV still to pull from a producer.
     """
 
     __slots__ = (
@@ -221,6 +248,7 @@ class Request:
         "num_cached_tokens",
         "num_preemptions",
         "spec_token_ids",
+        "remote_kv",
         "block_hashes",
         "block_hasher",
         "_output_token_ids",
@@ -261,6 +289,9 @@ class Request:
         self.num_cached_tokens = -1
         self.num_preemptions = 0
         self.spec_token_ids: list[int] = []
+        # kv_transfer_params of a remote prefill still to pull (core/kv_connector.py); None
+        # once pulled or failed: a preempted request recomputes, it never pulls twice.
+        self.remote_kv: dict | None = None
         self._output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(tokens)
         self.block_hashes: list[bytes] = []

@@ -26,7 +26,15 @@ the target accepted plus its own, one at a time through the stop checks (an EOS 
 max_tokens inside an accepted run ends the request there), and rolls num_computed_tokens
 back past the rejected proposals. With a draft model every allocation also reserves
 SchedulerConfig.num_lookahead_tokens slots past the scheduled tokens, where the draft writes
-its KV while it proposes for the next step. Imports no jax.
+its KV while it proposes for the next step.
+
+Disaggregation (core/kv_connector.py): with a KV connector, a waiting request whose
+kv_transfer_params point at a producer gets blocks for its external zone after its local
+prefix hit, and waits in `remote_waiting` (WAITING_FOR_REMOTE_KVS) until the worker reports
+the pull done (back to the front of the queue, its blocks cached, only the tokens past the
+pulled ones left to compute) or failed (its blocks freed, prefilled locally). A producer's
+request that finishes with do_remote_decode keeps its blocks until the connector says they
+were pulled or the offer expired. Imports no jax.
 """
 
 from __future__ import annotations
@@ -99,7 +107,8 @@ class EngineCoreOutput(NamedTuple):
     new_logprobs: list[float] | None  # only when the request asked for logprobs
     finish_reason: str | None  # "stop" / "length", None while running
     stop_reason: int | None  # the stop_token_ids entry that ended it, if any
-    num_cached_tokens: int  # prefix-cache hit tokens at its first schedule
+    num_cached_tokens: int  # prefix-cache hit tokens at its first schedule (pulled ones included)
+    kv_transfer_params: dict | None = None  # a producer's finished request: where to pull its KV
 
 
 class Scheduler:
@@ -109,7 +118,7 @@ class Scheduler:
     `waiting` requests hold none; `requests` maps the id of every unfinished request.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, connector=None):
         if config.max_model_len != kv_cache_manager.max_model_len:
             raise ValueError(f"the scheduler's max_model_len={config.max_model_len} differs from the KV cache's "
                              f"{kv_cache_manager.max_model_len}; resolve both from one EngineConfig")
@@ -122,6 +131,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Disaggregation: the KV connector's scheduler side (core/kv_connector.py), requests
+        # whose external KV is still arriving, and finished requests whose blocks it pins.
+        self.connector = connector
+        self.remote_waiting: dict[str, Request] = {}
+        self._pinned_req_ids: set[str] = set()
+        self.num_prompt_tokens_computed = 0  # prompt tokens scheduled for compute (not hit, not pulled)
         self._finished_req_ids: list[str] = []
         self.num_preemptions = 0
         self.num_swap_preemptions = 0
@@ -137,7 +152,7 @@ class Scheduler:
     # admission
     def add_request(self, request: Request) -> None:
         """Queues a request (FCFS). ValueError if it is a duplicate or could never fit."""
-        if request.request_id in self.requests:
+        if request.request_id in self.requests or request.request_id in self._pinned_req_ids:
             raise ValueError(f"request id {request.request_id!r} is already in use; give each request a unique id")
         self.kv_cache_manager.check_request(request, self.max_num_batched_tokens)
         assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0, (
@@ -185,7 +200,17 @@ class Scheduler:
         # then waiting requests, FCFS, unless this step had to preempt
         while not out.preempted_req_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if request.num_computed_tokens:  # its remote KV landed: it holds its blocks, hits and pulled
+                hit_blocks, num_hit_tokens = None, request.num_computed_tokens
+            else:
+                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+                if request.remote_kv is not None and self.connector is not None:
+                    num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+                    if num_external:
+                        if not self._start_remote_load(request, hit_blocks, num_hit_tokens, num_external):
+                            break  # FCFS: its blocks do not fit yet
+                        continue
+                    self.connector.release_unused(request)  # every pullable token is a local hit
             num_new = request.num_tokens - num_hit_tokens
             if 0 < threshold < num_new:
                 num_new = threshold
@@ -205,11 +230,60 @@ class Scheduler:
             budget -= num_new
 
         for request, num_tokens in zip(out.requests, out.num_scheduled_tokens):
+            prompt_left = request.num_prompt_tokens - request.num_computed_tokens
+            if prompt_left > 0:
+                self.num_prompt_tokens_computed += min(prompt_left, num_tokens)
             request.num_computed_tokens += num_tokens
         self.num_steps += 1
         # Usage peaks here: this step's blocks are allocated, finished requests not yet freed.
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, kv.usage)
         return out
+
+    # disaggregation
+    def _start_remote_load(self, request: Request, hit_blocks, num_hit_tokens: int, num_external: int) -> bool:
+        """Allocates the external zone of the head of the queue and hands it to the
+        connector; False (nothing changed) if the blocks do not fit."""
+        kv = self.kv_cache_manager
+        if kv.allocate_slots(request, num_external, num_hit_tokens, hit_blocks, delay_cache_blocks=True) is None:
+            return False
+        self.waiting.popleft()
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        request.num_computed_tokens = num_hit_tokens
+        self.remote_waiting[request.request_id] = request
+        self.connector.update_state_after_alloc(request, kv.get_blocks(request.request_id).blocks, num_hit_tokens,
+                                                num_external)
+        return True
+
+    def update_connector_output(self, output) -> None:
+        """Applies what the connector's worker finished (a KVConnectorOutput): landed pulls
+        go back to the front of the queue with their tokens computed and cached; failed
+        ones free their blocks and prefill locally; pulled or expired offers free theirs."""
+        connector = self.connector
+        back = []
+        for request_id in output.finished_recving:
+            request = self.remote_waiting.pop(request_id, None)
+            if request is None:
+                continue  # aborted while its pages were on their way
+            request.num_computed_tokens = connector.load_finished(request_id, request.num_computed_tokens)
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            back.append(request)
+        for request_id, _reason in output.failed_recving:
+            request = self.remote_waiting.pop(request_id, None)
+            if request is None:
+                continue
+            connector.load_finished(request_id, None)
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            back.append(request)
+        for request in back:
+            request.remote_kv = None  # pulled, or failed: never again
+            request.status = RequestStatus.WAITING
+        self.waiting.extendleft(reversed(back))
+        for transfer_id in output.finished_sending:
+            request = connector.transfer_done(transfer_id)
+            if request is not None:
+                self._pinned_req_ids.discard(request.request_id)
+                self.kv_cache_manager.free(request)
 
     def _draft_lookahead(self, num_tokens: int) -> int:
         """Slots a draft model needs past a request's first num_tokens (its scheduled ones):
@@ -276,15 +350,16 @@ class Scheduler:
                 stop_reason = self._check_stop(request)
                 if request.is_finished():
                     break
+            transfer_params = None
             if request.is_finished():
                 any_finished = True
-                self._free_request(request)
+                transfer_params = self._free_request(request)
                 self.num_finished += 1
             want_logprobs = row_logprobs is not None and request.sampling_params.logprobs
             outputs.append(EngineCoreOutput(
                 request.request_id, new_token_ids,
                 [float(x) for x in row_logprobs[: len(new_token_ids)]] if want_logprobs else None,
-                request.get_finished_reason(), stop_reason, request.num_cached_tokens,
+                request.get_finished_reason(), stop_reason, request.num_cached_tokens, transfer_params,
             ))
         if any_finished:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
@@ -306,11 +381,21 @@ class Scheduler:
             return last
         return None
 
-    def _free_request(self, request: Request) -> None:
+    def _free_request(self, request: Request) -> dict | None:
+        """Frees a finished request's blocks, unless a producer's connector pins them for a
+        consumer to pull; returns the kv_transfer_params that say where (or None)."""
         self._num_lost_tokens.pop(request.request_id, None)
-        self.kv_cache_manager.free(request)
+        delay_free, transfer_params = False, None
+        if self.connector is not None:
+            delay_free, transfer_params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_blocks(request.request_id).blocks)
+        if delay_free:
+            self._pinned_req_ids.add(request.request_id)
+        else:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
+        return transfer_params
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request wherever it is and frees its blocks; False if it is unknown or
@@ -320,24 +405,31 @@ class Scheduler:
             return False
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            del self.remote_waiting[request_id]
+            self.connector.cancel_load(request_id)
         else:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED_ABORTED
+        if self.connector is not None:
+            self.connector.release_unused(request)  # aborted before it pulled
         self._free_request(request)
         self.num_aborted += 1
         return True
 
     # state
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.remote_waiting)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.remote_waiting)
 
     def get_stats(self) -> dict:
         return {
             "num_running_reqs": len(self.running),
             "num_waiting_reqs": len(self.waiting),
+            "num_waiting_for_remote_kvs": len(self.remote_waiting),
+            "num_prompt_tokens_computed": self.num_prompt_tokens_computed,
             "num_preemptions": self.num_preemptions,
             "num_swap_preemptions": self.num_swap_preemptions,
             "num_recomputed_tokens": self.num_recomputed_tokens,
