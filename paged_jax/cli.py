@@ -7,6 +7,8 @@
   turn reuses the earlier turns' KV through the prefix cache, and a stats line per turn
   shows the hit.
 - `serve`: the OpenAI-compatible HTTP server (paged_jax/server/).
+- `proxy`: prefill/decode disaggregation in front of `serve --kv-role` producers and
+  consumers (paged_jax/server/proxy.py).
 - `calibrate-kv`: a quantized pool's static inputs from a few passages of text (key offsets,
   and per-tensor scales with --kv-cache-scaling per_tensor), saved as an .npz that the other
   commands take with --kv-calibration.
@@ -117,6 +119,17 @@ def _parser() -> argparse.ArgumentParser:
                         "start a new one (HTTP 503 while it warms up) instead of exiting with an error")
     h.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
                    help="request bodies larger than this get HTTP 413 (default: 8 MiB)")
+
+    x = sub.add_parser("proxy", help="prefill on producer servers, decode on consumer servers, one OpenAI API")
+    x.set_defaults(parser=x)
+    x.add_argument("--host", default="127.0.0.1")
+    x.add_argument("--port", type=_port, default=8000)
+    x.add_argument("--prefill", action="append", required=True, metavar="URL",
+                   help="a producer's root URL (serve --kv-role producer); repeat for several, taken in turn")
+    x.add_argument("--decode", action="append", required=True, metavar="URL",
+                   help="a consumer's root URL (serve --kv-role consumer); repeat for several, taken in turn")
+    x.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds an upstream call may wait to connect or for its next bytes (default: %(default)s)")
 
     k = sub.add_parser("calibrate-kv", help="key offsets (and per-tensor scales) of a quantized KV cache, from text")
     k.set_defaults(parser=k)
@@ -378,6 +391,14 @@ def serve(args, console: Console) -> int:
     return 0
 
 
+def proxy(args) -> int:
+    from paged_jax.server.proxy import run_proxy  # fastapi loads only for the commands that serve
+
+    with _bind(args.host, args.port) as sock:
+        run_proxy(args.host, args.port, args.prefill, args.decode, args.timeout, sock=sock)
+    return 0
+
+
 def _calibration_passages(args, tokenizer) -> list[list[int]]:
     """--num-passages token lists of --passage-tokens each: consecutive cuts of --text, or the
     last documentation topics long enough (pydoc_data.topics, sorted by name)."""
@@ -439,6 +460,8 @@ def main(argv=None) -> int:
             return chat(args, params, console)
         if args.command == "serve":
             return serve(args, console)
+        if args.command == "proxy":
+            return proxy(args)
         if args.command == "calibrate-kv":
             return calibrate_kv(args, console)
         return generate(args, params, prompts, console)

@@ -367,7 +367,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, max
 
         def final(text, ids, logprobs, finish, last):
             return {"id": request_id, "object": "text_completion", "created": created, "model": model_name,
-                    "choices": [choice(text, ids, logprobs, finish)], "usage": usage(last, len(ids))}
+                    "choices": [choice(text, ids, logprobs, finish)], "usage": usage(last, len(ids)),
+                    "kv_transfer_params": last.kv_transfer_params}
 
         return await run_request(raw, request_id, prompt_ids, params, stop, body.streaming, body.include_usage,
                                  chunk, final)
@@ -436,7 +437,8 @@ def build_app(engine: AsyncEngine, tokenizer: Tokenizer, *, model_name: str, max
             if body.return_token_ids:
                 out["token_ids"] = list(ids)
             return {"id": request_id, "object": "chat.completion", "created": created, "model": model_name,
-                    "choices": [out], "usage": usage(last, len(ids))}
+                    "choices": [out], "usage": usage(last, len(ids)),
+                    "kv_transfer_params": last.kv_transfer_params}
 
         return await run_request(raw, request_id, prompt, params, stop, body.streaming, body.include_usage,
                                  chunk, final)

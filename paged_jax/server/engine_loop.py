@@ -49,6 +49,7 @@ class Delta(NamedTuple):
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None  # the engine failed this request (the server keeps serving)
+    kv_transfer_params: dict | None = None  # a producer's final delta: where to pull the prompt's KV
 
     @property
     def final(self) -> bool:
@@ -139,7 +140,8 @@ class EngineLoop:
         sent = self._num_sent[output.request_id]
         new_logprobs = None if completion.logprobs is None else tuple(completion.logprobs[sent:])
         delta = Delta(tuple(completion.token_ids[sent:]), new_logprobs, completion.finish_reason,
-                      len(output.prompt_token_ids), output.metrics.num_cached_tokens)
+                      len(output.prompt_token_ids), output.metrics.num_cached_tokens,
+                      kv_transfer_params=output.kv_transfer_params)
         if output.finished:
             del self._num_sent[output.request_id]
         else:

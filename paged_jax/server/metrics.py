@@ -52,6 +52,18 @@ class ServerMetrics:
         self.engine_restarts = Counter("paged_jax:engine_restarts",
                                        "Engine processes started after one died (serve --restart-engine).",
                                        list(labels), registry=self.registry).labels(**labels)
+        self.prompt_tokens_computed = gauge("paged_jax:prompt_tokens_computed",
+                                            "Prompt tokens computed here (not prefix hits, not pulled).")
+        # Disaggregation (cumulative engine stats, mirrored; only with --kv-role).
+        self.kv_transfer = {name: gauge(f"paged_jax:{name}", doc) for name, doc in (
+            ("num_remote_loads", "Requests whose prompt KV was pulled from a producer."),
+            ("num_remote_load_failures", "Pulls that failed or timed out (the request prefilled locally)."),
+            ("num_external_tokens", "Prompt tokens pulled instead of computed."),
+            ("num_kv_offers", "Finished prompts offered to consumers."),
+            ("num_kv_pinned_requests", "Finished prompts whose blocks wait to be pulled."),
+            ("kv_transfer_offers_expired", "Offers no consumer released before the timeout."),
+            ("kv_transfer_bytes_sent", "KV page bytes sent to consumers."),
+            ("kv_transfer_bytes_received", "KV page bytes pulled from producers."))}
         self._model_name = model_name
 
     def on_step(self, stats: dict) -> None:
@@ -61,6 +73,10 @@ class ServerMetrics:
         self.prefix_hit_rate.set(stats["prefix_cache_hit_rate"])
         self.preemptions.set(stats["num_preemptions"])
         self.compilations.set(stats["num_compilations"])
+        self.prompt_tokens_computed.set(stats["num_prompt_tokens_computed"])
+        if "kv_role" in stats:
+            for name, metric in self.kv_transfer.items():
+                metric.set(stats[name])
         if "spec_num_drafts" in stats:
             self.spec_drafts.set(stats["spec_num_drafts"])
             self.spec_draft_tokens.set(stats["spec_num_draft_tokens"])

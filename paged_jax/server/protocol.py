@@ -78,6 +78,9 @@ class _Common(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
+    kv_transfer_params: dict | None = Field(
+        default=None, description='disaggregation: {"do_remote_decode": true} asks a producer to keep the '
+        "prompt's KV for a consumer; what a producer returned asks a consumer to pull it")
     ignore_eos: bool | None = None
     return_token_ids: bool | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
@@ -157,7 +160,8 @@ class _Common(_Strict):
                 top_p=_or(self.top_p, 1.0), seed=self.seed, stop_token_ids=tuple(self.stop_token_ids or ()),
                 ignore_eos=bool(self.ignore_eos), logprobs=want_logprobs,
                 presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
-                repetition_penalty=_or(self.repetition_penalty, 1.0), guided_decoding=guided)
+                repetition_penalty=_or(self.repetition_penalty, 1.0), guided_decoding=guided,
+                kv_transfer_params=self.kv_transfer_params)
         except ValueError as error:  # SamplingParams names the field first: "top_p=0 must be ..."
             field = str(error).split("=", 1)[0]
             raise RequestError(str(error), field if field.isidentifier() else None) from None

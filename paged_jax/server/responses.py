@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class ErrorBody(BaseModel):
@@ -61,6 +61,8 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict | None = Field(default=None, description="a producer's answer (disaggregation): "
+                                            "where a consumer pulls the prompt's KV")
 
 
 class TokenLogprob(BaseModel):
@@ -108,6 +110,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict | None = Field(default=None, description="a producer's answer (disaggregation): "
+                                            "where a consumer pulls the prompt's KV")
 
 
 class ModelCard(BaseModel):
