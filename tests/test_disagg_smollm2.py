@@ -72,3 +72,24 @@ def test_chat_through_producer_consumer_and_proxy_equals_one_engine(urls):
     producer = engines["producer"]
     assert producer.get_stats()["num_kv_offers"] == len(PROMPTS)
     assert producer.get_stats()["kv_transfer_blocks_sent"] == consumer["kv_transfer_blocks_received"]
+
+
+def test_a_second_turn_pulls_only_what_the_consumers_cache_lacks(urls):
+    proxy, alone, engines = urls
+    consumer = engines["consumer"]
+    client = openai.OpenAI(base_url=f"{proxy}/v1", api_key="none", timeout=300, max_retries=0)
+    first = [{"role": "user", "content": "Describe the water cycle for a ten year old, in a few sentences."}]
+    reply = client.chat.completions.create(model=MODEL, messages=first, temperature=0, max_tokens=48)
+    second = first + [{"role": "assistant", "content": reply.choices[0].message.content},
+                      {"role": "user", "content": "Now say it as a short poem."}]
+    before = consumer.get_stats()
+    request = dict(model=MODEL, messages=second, temperature=0, max_tokens=32, extra_body={"return_token_ids": True})
+    through = client.chat.completions.create(**request)
+    alone_client = openai.OpenAI(base_url=f"{alone}/v1", api_key="none", timeout=300, max_retries=0)
+    assert through.choices[0].model_extra["token_ids"] == \
+        alone_client.chat.completions.create(**request).choices[0].model_extra["token_ids"]
+    after = consumer.get_stats()
+    pulled = after["num_external_tokens"] - before["num_external_tokens"]
+    # the first turn's prompt blocks were pulled (and cached) by the first request: only the rest comes now
+    assert 0 < pulled < through.usage.prompt_tokens - 1 - 16
+    assert after["num_prompt_tokens_computed"] - before["num_prompt_tokens_computed"] == 1

@@ -140,6 +140,25 @@ def test_a_partial_hit_in_the_consumers_cache_pulls_only_the_missing_blocks(pair
     check_idle(producer)
 
 
+def test_a_landed_request_allocates_only_what_it_computes():
+    """A pull that fills 32 of a 40-block pool: the request then needs one block more, not its
+    pulled tokens counted twice (it could never be scheduled)."""
+    producer = engine(kv_role="producer", num_blocks=40, max_model_len=1024, max_num_batched_tokens=512)
+    consumer = engine(kv_role="consumer", num_blocks=40, max_model_len=1024, max_num_batched_tokens=512)
+    (prompt,) = prompts_of([513], seed=13)
+    try:
+        got = disaggregated(producer, consumer, [prompt], SamplingParams(max_tokens=3, temperature=0))["c0"]
+        alone = engine(max_model_len=1024, max_num_batched_tokens=512)
+        assert got.token_ids == run(alone, {"r": (prompt, SamplingParams(max_tokens=3, temperature=0))})["r"].token_ids
+        assert consumer.get_stats()["peak_kv_cache_usage"] == pytest.approx(33 / 39)
+        settle(producer)
+        check_idle(producer)
+        check_idle(consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
 def test_pulled_blocks_enter_the_consumers_prefix_cache(pair, reference):
     producer, consumer = pair
     (prompt,) = prompts_of([80], seed=4)
@@ -189,7 +208,7 @@ def test_a_producer_that_is_gone_means_a_local_prefill(reference):
 @contextlib.contextmanager
 def fake_producer(like: LLMEngine, mode: str, tmp_path):
     """tests/kv_fake_producer.py in its own process, posing as a producer of `like`'s pages;
-    yields the kv_transfer_params that point at it (and its stdout); killed on exit."""
+    yields the kv_transfer_params that point at it and its process; killed on exit."""
     meta = tmp_path / "meta.json"
     meta.write_text(json.dumps(like.kv_worker.meta))
     process = subprocess.Popen([sys.executable, str(Path(__file__).with_name("kv_fake_producer.py")), str(meta), mode],
@@ -197,7 +216,7 @@ def fake_producer(like: LLMEngine, mode: str, tmp_path):
     try:
         port = int(process.stdout.readline())
         yield lambda num_tokens: {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port,
-                                  "transfer_id": "never", "num_tokens": num_tokens}, process.stdout
+                                  "transfer_id": "never", "num_tokens": num_tokens}, process
     finally:
         process.kill()
         process.wait(30)
@@ -207,10 +226,10 @@ def fake_producer(like: LLMEngine, mode: str, tmp_path):
 def test_a_transfer_that_never_completes_times_out_into_a_local_prefill(mode, reference, tmp_path):
     consumer = engine(kv_role="consumer", kv_transfer_timeout=1.0)
     (prompt,) = prompts_of([50], seed=7)
-    with fake_producer(consumer, mode, tmp_path) as (params, lines):
+    with fake_producer(consumer, mode, tmp_path) as (params, process):
         start = time.time()
         got = run(consumer, {"c": (prompt, dataclasses.replace(GREEDY, kv_transfer_params=params(50)))})["c"]
-        assert lines.readline().strip() == "fetch" and time.time() - start < 30
+        assert process.stdout.readline().strip() == "fetch" and time.time() - start < 30
     assert got.token_ids == run(reference, {"r": (prompt, GREEDY)})["r"].token_ids
     stats = consumer.get_stats()
     assert stats["num_remote_load_failures"] == 1 and stats["num_prompt_tokens_computed"] == len(prompt)
@@ -218,16 +237,35 @@ def test_a_transfer_that_never_completes_times_out_into_a_local_prefill(mode, re
     consumer.shutdown()
 
 
+def test_a_producer_killed_while_its_pages_are_pulled_means_a_local_prefill(reference, tmp_path):
+    consumer = engine(kv_role="consumer", kv_transfer_timeout=60)
+    (prompt,) = prompts_of([80], seed=12)
+    with fake_producer(consumer, "never", tmp_path) as (params, process):
+        consumer.add_request("c", prompt, dataclasses.replace(GREEDY, kv_transfer_params=params(80)))
+        consumer.step()
+        assert process.stdout.readline().strip() == "fetch"  # the pull is issued and pending
+        start = time.time()
+        process.kill()  # its transfer connection closes under the pending pull
+        done = {}
+        while consumer.has_unfinished_requests():
+            assert time.time() - start < 30, "the pull outlived its producer"
+            done.update({o.request_id: o for o in consumer.step() if o.finished})
+    assert done["c"].token_ids == run(reference, {"r": (prompt, GREEDY)})["r"].token_ids
+    assert consumer.get_stats()["num_remote_load_failures"] == 1
+    check_idle(consumer)
+    consumer.shutdown()
+
+
 def test_an_abort_while_the_pages_are_on_their_way_frees_the_blocks(tmp_path):
     consumer = engine(kv_role="consumer", kv_transfer_timeout=30)
     (prompt,) = prompts_of([70], seed=8)
-    with fake_producer(consumer, "never", tmp_path) as (params, lines):
+    with fake_producer(consumer, "never", tmp_path) as (params, process):
         consumer.add_request("c", prompt, dataclasses.replace(GREEDY, kv_transfer_params=params(70)))
         consumer.step()
         request = consumer.scheduler.remote_waiting["c"]
         assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         assert consumer.kv_cache_manager.get_num_free_blocks() < consumer.cache_config.num_blocks - 1
-        assert lines.readline().strip() == "fetch"
+        assert process.stdout.readline().strip() == "fetch"
         assert consumer.abort_request("c")
         assert not consumer.has_unfinished_requests()
         check_idle(consumer)

@@ -200,8 +200,9 @@ class Scheduler:
         # then waiting requests, FCFS, unless this step had to preempt
         while not out.preempted_req_ids and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if request.num_computed_tokens:  # its remote KV landed: it holds its blocks, hits and pulled
-                hit_blocks, num_hit_tokens = None, request.num_computed_tokens
+            num_held = request.num_computed_tokens  # > 0: its remote KV landed; it holds those blocks
+            if num_held:
+                hit_blocks, num_hit_tokens = None, num_held
             else:
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
                 if request.remote_kv is not None and self.connector is not None:
@@ -216,7 +217,7 @@ class Scheduler:
                 num_new = threshold
             num_new = min(num_new, budget)
             lookahead = self._draft_lookahead(num_hit_tokens + num_new)
-            if kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks, lookahead) is None:
+            if kv.allocate_slots(request, num_new, num_hit_tokens - num_held, hit_blocks, lookahead) is None:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             lost = self._num_lost_tokens.pop(request.request_id, 0)
