@@ -90,6 +90,21 @@ def prompts_of(lengths, seed=0, vocab=500):
     return [rng.integers(1, vocab, n).tolist() for n in lengths]
 
 
+@contextlib.contextmanager
+def fresh_pair(model="tiny", **kwargs):
+    """A producer and a consumer of their own; on a clean exit both must be idle (every
+    offer released, every block back), and both are shut down however it exits."""
+    producer, consumer = engine(model, kv_role="producer", **kwargs), engine(model, kv_role="consumer", **kwargs)
+    try:
+        yield producer, consumer
+        settle(producer)
+        check_idle(producer)
+        check_idle(consumer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
 @pytest.fixture(scope="module")
 def pair():
     producer, consumer = engine(kv_role="producer"), engine(kv_role="consumer")
@@ -143,20 +158,12 @@ def test_a_partial_hit_in_the_consumers_cache_pulls_only_the_missing_blocks(pair
 def test_a_landed_request_allocates_only_what_it_computes():
     """A pull that fills 32 of a 40-block pool: the request then needs one block more, not its
     pulled tokens counted twice (it could never be scheduled)."""
-    producer = engine(kv_role="producer", num_blocks=40, max_model_len=1024, max_num_batched_tokens=512)
-    consumer = engine(kv_role="consumer", num_blocks=40, max_model_len=1024, max_num_batched_tokens=512)
     (prompt,) = prompts_of([513], seed=13)
-    try:
+    with fresh_pair(num_blocks=40, max_model_len=1024, max_num_batched_tokens=512) as (producer, consumer):
         got = disaggregated(producer, consumer, [prompt], SamplingParams(max_tokens=3, temperature=0))["c0"]
         alone = engine(max_model_len=1024, max_num_batched_tokens=512)
         assert got.token_ids == run(alone, {"r": (prompt, SamplingParams(max_tokens=3, temperature=0))})["r"].token_ids
         assert consumer.get_stats()["peak_kv_cache_usage"] == pytest.approx(33 / 39)
-        settle(producer)
-        check_idle(producer)
-        check_idle(consumer)
-    finally:
-        producer.shutdown()
-        consumer.shutdown()
 
 
 def test_pulled_blocks_enter_the_consumers_prefix_cache(pair, reference):
@@ -175,20 +182,13 @@ def test_pulled_blocks_enter_the_consumers_prefix_cache(pair, reference):
                                           ("tiny-mla", {})],
                          ids=["int8-pool", "sliding-window", "mla"])
 def test_quantized_sliding_window_and_mla_pools(model, kwargs):
-    producer, consumer = engine(model, kv_role="producer", **kwargs), engine(model, kv_role="consumer", **kwargs)
     reference = engine(model, **kwargs)
-    try:
+    with fresh_pair(model, **kwargs) as (producer, consumer):
         prompts = prompts_of([9, 33, 70], seed=5, vocab=250)
         want = run(reference, {f"c{i}": (p, GREEDY) for i, p in enumerate(prompts)})
         got = disaggregated(producer, consumer, prompts)
         assert {k: v.token_ids for k, v in got.items()} == {k: v.token_ids for k, v in want.items()}
         assert consumer.get_stats()["num_prompt_tokens_computed"] == len(prompts)
-        settle(producer)
-        check_idle(producer)
-        check_idle(consumer)
-    finally:
-        producer.shutdown()
-        consumer.shutdown()
 
 
 def test_a_producer_that_is_gone_means_a_local_prefill(reference):

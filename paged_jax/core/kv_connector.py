@@ -160,8 +160,7 @@ class KVTransferStats:
     num_remote_loads: int = 0  # consumer: requests whose KV was pulled
     num_remote_load_failures: int = 0  # ... that fell back to local prefill
     num_external_tokens: int = 0  # ... prompt tokens pulled instead of computed
-    num_offers: int = 0  # producer: finished prompts offered
-    num_offers_expired: int = 0  # ... never released by a consumer before the timeout
+    num_offers: int = 0  # producer: finished prompts offered (expiries: the worker's stats)
 
 
 class TransferConnectorScheduler:
