@@ -15,8 +15,8 @@
 //   f32 (exact): every product is f32 of the dequantized value, so the result is the f32
 //     matmul of the dequantized weight up to summation order.
 //   i8 (llama.cpp's way): x is quantized per block of 32 to int8 with scale amax / 127 (round
-//     half to even), and each block's integer dot runs on AVX-512 VNNI (vpdpbusd): the weight's
-//     bytes are the unsigned operand, x's the signed one. Integer sums are exact; the only
+//     half to even), and each block's integer dot runs on AVX-512 VNNI (vpdpbusd: the weight's
+//     bytes are the unsigned operand, x's the signed one) or AVX2 (vpmaddubsw + vpmaddwd). Integer sums are exact; the only
 //     loss is x's rounding (docs/BENCHMARKS.md measures its quality).
 //
 // One call multiplies x by several weights of the same format and inputs (a layer's q, k and v,
@@ -266,6 +266,85 @@ void avx2_q8_0_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)
 }
 #endif
 
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) && defined(__AVX2__) && \
+    defined(__FMA__) && defined(__F16C__)
+// int8 activations on AVX2 (llama.cpp's way there): vpmaddubsw multiplies the unsigned bytes
+// by the signed ones and adds pairs into int16 (saturating), vpmaddwd by ones adds those
+// pairs into int32. Neither saturates here: q4_1's nibbles are <= 15, so an int16 lane sums
+// 16 products of at most 15 * 127 (30480) over a whole block; q8_0's signed q goes in as |q|
+// with its sign moved onto x (vpsignb), so one pair is at most 2 * 128 * 127 (32512) and each
+// load's pairs go to int32 at once.
+inline __m256i bcast4_256(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int r>
+void avx2_q4_1_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[r];
+    for (int i = 0; i < r; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = tile + b * 320;
+      const __m256 d = load_f16x8(p + 16 * h), m = load_f16x8(p + 32 + 16 * h);
+      __m256i dot[r];
+      for (int i = 0; i < r; ++i) dot[i] = _mm256_setzero_si256();
+      for (int L = 0; L < 4; ++L) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 64 + 64 * L + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int i = 0; i < r; ++i) {
+          const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
+          dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(lo, bcast4_256(xb + 4 * L)));
+          dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(hi, bcast4_256(xb + 16 + 4 * L)));
+        }
+      }
+      for (int i = 0; i < r; ++i) {
+        const int64_t at = (i0 + i) * nb + b;
+        const float dx = wk.xd[at];
+        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[i], ones));
+        acc[i] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[i]);
+        acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * float(wk.xqs[at])), acc[i]);
+      }
+    }
+    for (int i = 0; i < r; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
+  }
+}
+
+template <int r>
+void avx2_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m256i flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[r];
+    for (int i = 0; i < r; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = tile + b * 544;
+      const __m256 d = load_f16x8(p + 16 * h);
+      __m256i dot[r];
+      for (int i = 0; i < r; ++i) dot[i] = _mm256_setzero_si256();
+      for (int L = 0; L < 8; ++L) {
+        const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 + 64 * L + 32 * h)), flip);
+        const __m256i aq = _mm256_abs_epi8(q);  // |q|, unsigned (-128 -> 128)
+        for (int i = 0; i < r; ++i) {
+          const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
+          const __m256i sx = _mm256_sign_epi8(bcast4_256(xb + 4 * L), q);  // x * sign(q)
+          dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), ones));
+        }
+      }
+      for (int i = 0; i < r; ++i) {
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(wk.xd[(i0 + i) * nb + b]));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), scale, acc[i]);
+      }
+    }
+    for (int i = 0; i < r; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
+  }
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -333,7 +412,7 @@ void avx_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[k
 }
 #endif
 
-// The kernel of each (format, activations): the AVX-512 (f32 activations: or AVX2) loops where this build has them,
+// The kernel of each (format, activations): the AVX-512 (or AVX2) loops where this build has them,
 // with r (the rows of x) a template argument so that their accumulators stay in registers.
 #define PJ_TILE_DOT(format, acts, fn, available)                                                     \
   template <>                                                                                       \
@@ -364,17 +443,25 @@ template <int r> void avx_q4_1_f32(const Work&, const uint8_t*, int64_t, float (
 template <int r> void avx_q8_0_f32(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-constexpr bool kHasVnni = true;
+constexpr bool kHasI8Simd = true;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool kHasI8Simd = true;  // vpmaddubsw + vpmaddwd stand in for vpdpbusd
+template <int r> void avx_q4_1_i8(const Work& wk, const uint8_t* t, int64_t i0, float (*o)[kTile]) {
+  avx2_q4_1_i8<r>(wk, t, i0, o);
+}
+template <int r> void avx_q8_0_i8(const Work& wk, const uint8_t* t, int64_t i0, float (*o)[kTile]) {
+  avx2_q8_0_i8<r>(wk, t, i0, o);
+}
 #else
-constexpr bool kHasVnni = false;
+constexpr bool kHasI8Simd = false;
 template <int r> void avx_q4_1_i8(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
 template <int r> void avx_q8_0_i8(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
 #endif
 
 PJ_TILE_DOT(kQ4_1, kF32, avx_q4_1_f32, kHasF32Simd)
 PJ_TILE_DOT(kQ8_0, kF32, avx_q8_0_f32, kHasF32Simd)
-PJ_TILE_DOT(kQ4_1, kI8, avx_q4_1_i8, kHasVnni)
-PJ_TILE_DOT(kQ8_0, kI8, avx_q8_0_i8, kHasVnni)
+PJ_TILE_DOT(kQ4_1, kI8, avx_q4_1_i8, kHasI8Simd)
+PJ_TILE_DOT(kQ8_0, kI8, avx_q8_0_i8, kHasI8Simd)
 
 // bf16 rows (not tiled): out[i][l] for the `rows` rows from `tile` of the row-major weight.
 template <>

@@ -18,7 +18,7 @@ GGUF's rows (padded to a multiple of 16 rows).
 On a CPU the matmul is a native kernel (quant_matmul.cc, an XLA FFI custom call compiled with
 the machine's compiler on first use and cached: cpu_kernels/native.py; its f32-activation
 loops use AVX-512, or AVX2 + FMA + F16C on a CPU without it, as two 8-row halves of each
-tile; int8 activations need AVX-512 VNNI, else a portable loop serves): it reads
+tile; int8 activations use AVX-512 VNNI or AVX2's vpmaddubsw, else a portable loop serves): it reads
 each tile once per four rows of x and never writes a dequantized copy, so a decode step reads
 the format's bytes, not f32's. XLA:CPU has no such kernel of its own: a bf16 or int8 dot runs
 as a naive loop, ~8x slower than the f32 dot, and a fused convert-multiply-reduce reaches
@@ -30,7 +30,7 @@ Activations (ACTIVATIONS):
   "float32" (exact): every element is the dequantized f32 value and every product f32, so the
     result is the f32 matmul of the dequantized weight up to summation order.
   "int8": x is quantized per block of 32 inputs to int8 with scale max|x| / 127 (llama.cpp's
-    Q8_0 / Q8_1 activations) and each block's dot is an integer dot (AVX-512 VNNI). Faster
+    Q8_0 / Q8_1 activations) and each block's dot is an integer dot (AVX-512 VNNI or AVX2). Faster
     (the exact q4_1 kernel is compute-bound), not exact: docs/BENCHMARKS.md has its quality.
     q8_0 and q4_1 only; the XLA path multiplies the same quantized x, so every backend agrees.
 """

@@ -147,6 +147,46 @@ def test_kernels_without_avx512_match_reference(flags, prefix):
             np.testing.assert_array_equal(np.asarray(y1), y)
 
 
+def _extreme_case(fmt):
+    # Every int8 product at its largest: x's blocks are +-1 (q = +-127) with w's signs, so
+    # q8_0's q is +-127 (one byte made -128 by hand) and q4_1's q is 15 (each block's one
+    # other value its min, 0). A kernel that multiplies q8_0's q + 128 by x in int16 pairs
+    # (vpmaddubsw) saturates here; so would q4_1's pairs if summed over two blocks in int16.
+    rng = np.random.default_rng(5)
+    k, n = 96, 21
+    signs = np.where(rng.random((n, k)) < 0.5, -1.0, 1.0).astype(np.float32)
+    if fmt == "q8_0":
+        w = signs
+        data = np.array(qm.pack(w, fmt))
+        data[0, 32] = 0x00  # tile 0, block 0, row 0, input 0: q = -128 (stored q ^ 0x80)
+        x = signs[:1].copy()
+        x[0, 0] = -1.0
+    else:
+        w = np.ones((n, k), np.float32)
+        w[:, ::32] = 0.0
+        data = qm.pack(w, fmt)
+        x = np.ones((1, k), np.float32)
+    return np.concatenate([x, -x, x]), data, n
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("prefix", [qm._TARGET, "pj_test_avx2"], ids=["native", "avx2"])
+def test_int8_dots_at_the_extremes_do_not_saturate(fmt, prefix):
+    if shutil.which(os.environ.get("CXX", "g++")) is None or jax.default_backend() != "cpu":
+        pytest.skip("no C++ compiler, or not a CPU backend")
+    if prefix == "pj_test_avx2":
+        if "avx2" not in open("/proc/cpuinfo").read():
+            pytest.skip("this CPU has no AVX2")
+        assert qm.build_and_register(("-mno-avx512f",), prefix=prefix)
+    else:
+        assert qm.native_available()
+    x, data, n = _extreme_case(fmt)
+    y = np.asarray(_matmul(x, data, fmt, n, "int8", native=prefix))
+    ref = qm.quant_matmul_reference(x, data, fmt, n, "int8")
+    assert np.abs(ref).max() > 10  # the sums are large, not cancelled
+    _check(y, x, data, fmt, n, "int8")
+
+
 @pytest.mark.parametrize("fmt,activations", KINDS)
 def test_xla_path_matches_reference(fmt, activations):
     # The path a GPU (or a machine without a compiler) takes.
