@@ -253,7 +253,7 @@ class TimedStep:
         assert copies is None and r.mesh is None, "TimedStep runs the plain single-device step only"
         shape = inputs.model.token_ids.shape[0], inputs.attention.seq_lens.shape[0]
         assert r.compiler.choose_shape(*shape) == shape, "the step's own bucket is not compiled"
-        embed, layers, head, _ = r._programs_for(shape)
+        embed, layers, head, *_ = r._programs_for(shape)
         packed = jax.device_put(pack_step_inputs(inputs)).block_until_ready()
         lap("host: pack + device_put")
         x = embed(r._head_leaves, packed).block_until_ready()
@@ -363,7 +363,7 @@ def profile_thunks(engine, prompt: list[int], steps: int) -> dict:
         calls[key] += 1
     # The decode bucket's programs, to name each thunk by what it computes.
     shape = engine.runner.compiler.shapes[0]
-    embed, layers, head, _ = engine.runner._programs_for(shape)
+    embed, layers, head, *_ = engine.runner._programs_for(shape)
     texts = {"jit_embed_fn": embed.as_text(), "jit_head_fn": head.as_text(), "jit_layer_fn": layers[0].as_text()}
     ops = {module: hlo_ops(text) for module, text in texts.items()}
     top, kinds, per_module = [], collections.Counter(), collections.Counter()

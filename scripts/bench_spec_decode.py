@@ -1,6 +1,7 @@
 """Speculative decoding with prompt lookup (n-gram) against plain decoding: SmolLM2-135M-Instruct.
 
     python scripts/bench_spec_decode.py [--quick] [--runs 3] [--new-tokens 128] [--k 4] [--weight-dtype auto]
+        [--activation-dtype int8]
 
 Two engines over one loaded model (the GGUF, --weight-dtype as LLM's weight_dtype), one with
 speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
@@ -85,6 +86,8 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weight-dtype", default="auto", help="LLM's weight_dtype (auto keeps the GGUF's blocks)")
+    parser.add_argument("--activation-dtype", default="float32", choices=["float32", "int8"],
+                        help="LLM's activation_dtype (int8: llama.cpp's Q8 activations in the packed matmuls)")
     args = parser.parse_args(argv)
     if args.quick:
         args.runs, args.new_tokens = 1, 48
@@ -93,7 +96,8 @@ def main(argv=None) -> int:
     from paged_jax.engine_config import EngineConfig
 
     settings = dict(model=MODEL, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, num_blocks=2048,
-                    warm_up="full", weight_dtype=args.weight_dtype)
+                    warm_up="full", weight_dtype=args.weight_dtype,
+                    activation_dtype=args.activation_dtype)
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     base = LLM(**settings).engine
     engines = {"plain": base,
@@ -139,14 +143,15 @@ def main(argv=None) -> int:
     for name, engine in engines.items():
         assert engine.get_stats()["num_compilations"] == compiled[name], f"{name}: a timed run compiled"
     info = machine_info()
-    print_table(f"prompt-lookup speculative decoding, {MODEL} (weight_dtype {args.weight_dtype}), k={args.k}, "
+    print_table(f"prompt-lookup speculative decoding, {MODEL} (weight_dtype {args.weight_dtype}, activation_dtype "
+                f"{args.activation_dtype}), k={args.k}, "
                 f"{args.new_tokens} tokens, greedy; "
                 f"medians of {args.runs} runs; {info['cpu']}",
                 ["workload", "batch", "prompts", "plain tok/s", "ngram tok/s", "speedup", "acceptance",
                  "mean accepted length", "identical"], rows)
     write_json(f"results/bench_spec_decode{'_quick' if args.quick else ''}.json",
                {"command": command_line(), "machine": info, "k": args.k, "new_tokens": args.new_tokens,
-                "weight_dtype": args.weight_dtype,
+                "weight_dtype": args.weight_dtype, "activation_dtype": args.activation_dtype,
                 "runs": args.runs, "results": results})
     return 0 if all(r["identical"] for r in results) else 1
 

@@ -37,7 +37,7 @@ def test_cpu_programs_call_the_kernel_for_float_caches():
 
 
 @needs_native
-# head_dim 64 and 128 run the AVX-512 loops (groups 1..8), 32 and 96 the generic ones
+# head_dim 64 and 128 run the AVX-512 or AVX2 loops (groups 1..8), 32 and 96 the generic ones
 @pytest.mark.parametrize("heads,head_dim", [((8, 8), 64), ((9, 3), 64), ((8, 1), 128), ((6, 2), 32), ((4, 1), 96)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("name", ["decode", "mixed"])
@@ -189,18 +189,29 @@ def test_short_query_batches_run_as_decode_rows(sliding_window, dtype, monkeypat
 
 
 @needs_native
-def test_portable_loops_with_a_window():
-    """The loops a CPU without AVX-512 runs, built with it off under names of their own (on an
-    AVX-512 machine the default build runs the other loops)."""
-    assert cpu_attention.build_and_register(("-mno-avx512f",), prefix="pj_test_portable_attention")
-    rng = np.random.default_rng(3)
-    seq_lens = [1, 40, 70]
-    batch = build_batch(rng, [1] * 3, seq_lens, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                        dtype=jnp.float32, num_tokens=4, max_num_seqs=4, max_blocks_per_seq=5)
-    batch = _poison_before(batch, [max(0, n - 24) for n in seq_lens])
-    out = np.asarray(cpu_attention.decode_attention(*_jnp_args(batch, jnp.float32), sm_scale=0.125,
-                                                    sliding_window=24, prefix="pj_test_portable_attention"))
-    np.testing.assert_allclose(out[:3], attention_f64(*batch, sliding_window=24)[:3], **TOLERANCE[jnp.float32])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("flags,prefix", [(("-mno-avx512f",), "pj_test_avx2_attention"),
+                                          (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "pj_test_portable_attention")],
+                         ids=["avx2", "portable"])
+def test_loops_without_avx512_with_a_window(flags, prefix, dtype):
+    """The loops a CPU without AVX-512 runs (AVX2, or the portable ones), built under names of
+    their own: on an AVX-512 machine the default build runs the other loops. Groups of 1, 3
+    and 8 query heads, head_dim 64 and 128, windows that start inside a page."""
+    if "avx2" in prefix and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    assert cpu_attention.build_and_register(flags, prefix=prefix)
+    for case, (heads, head_dim) in enumerate([((8, 1), 64), ((9, 3), 64), ((8, 8), 128), ((6, 2), 32)]):
+        rng = np.random.default_rng(3 + case)
+        seq_lens = [1, 40, 70]
+        batch = build_batch(rng, [1] * 3, seq_lens, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                            block_size=16, dtype=dtype, num_tokens=4, max_num_seqs=4, max_blocks_per_seq=5)
+        for window in (None, 24):
+            cut = [max(0, n - (window or n)) for n in seq_lens]
+            poisoned = _poison_before(batch, cut) if window else batch
+            out = np.asarray(cpu_attention.decode_attention(*_jnp_args(poisoned, dtype), sm_scale=head_dim ** -0.5,
+                                                            sliding_window=window, prefix=prefix).astype(jnp.float32))
+            expected = attention_f64(*batch, sliding_window=window)
+            np.testing.assert_allclose(out[:3], expected[:3], **TOLERANCE[dtype])
 
 
 @needs_native
