@@ -75,7 +75,7 @@ class LlamaConfig:
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> LlamaConfig:
-        """A named shape ("tiny", "llama-3.2-1b", "llama-3.1-8b"); overrides replace fields."""
+        """A named shape ("tiny", "smollm2-135m", "llama-3.2-1b", "llama-3.1-8b"); overrides replace fields."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
@@ -187,6 +187,13 @@ PRESETS: dict[str, LlamaConfig] = {
         vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
         max_position_embeddings=2048, bos_token_id=1, eos_token_ids=(2,)),
+    # HuggingFaceTB/SmolLM2-135M-Instruct (its GGUF loads by name; this is its shape for random
+    # weights, e.g. the GPU check, which cannot carry the 93 MB file)
+    "smollm2-135m": LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+        num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,),
+        param_dtype="bfloat16", dtype="bfloat16"),
     # meta-llama/Llama-3.2-1B
     "llama-3.2-1b": LlamaConfig(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
