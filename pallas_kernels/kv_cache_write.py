@@ -80,13 +80,29 @@ def _round(x32, scale, fmt):
     return y.astype(fmt.storage_dtype)
 
 
+def _round_in_f32(x32, scale, fmt):
+    """What _round(x32, scale, fmt).astype(f32) is, computed without a float conversion.
+
+    XLA:GPU may drop an f32 -> fp8 -> f32 round trip (SimplifyFPConversions, under its default
+    xla_allow_excess_precision), so a search that compares rounding errors cannot rely on one:
+    there every candidate's error came out ~0 and the argmin was noise. Rounding to nearest
+    even on the format's grid is exact in f32: the grid step at y is 2**(e - nmant) with e =
+    max(floor(log2|y|), minexp), and scaling by a power of two loses nothing.
+    """
+    finfo = jnp.finfo(fmt.storage_dtype)
+    y = jnp.clip(x32 / scale[..., None], -fmt.max_value, fmt.max_value)
+    _, exponent = jnp.frexp(y)  # y = m * 2**exponent, 0.5 <= |m| < 1
+    step = jnp.ldexp(jnp.float32(1), jnp.maximum(exponent - 1, finfo.minexp) - finfo.nmant)
+    return jnp.round(y / step) * step  # half to even, as the conversion
+
+
 def _least_error_scale(x32, base, fmt):
     """Of the scales base * FP8_SCALE_STEPS, each row's with the least squared rounding error
     (the first on a tie), as kv_quant.per_token_scale_numpy. Errors are measured in units of
     base, so a huge row cannot overflow them."""
     steps = jnp.asarray(FP8_SCALE_STEPS)
     candidates = base[..., None] * steps  # [..., steps]
-    rounded = _round(x32[..., None, :], candidates, fmt).astype(jnp.float32)  # [..., steps, head_dim]
+    rounded = _round_in_f32(x32[..., None, :], candidates, fmt)  # [..., steps, head_dim]
     errors = jnp.sum((rounded * steps[:, None] - (x32 / base[..., None])[..., None, :]) ** 2, axis=-1)
     return jnp.take_along_axis(candidates, jnp.argmin(errors, axis=-1)[..., None], axis=-1)[..., 0]
 

@@ -22,7 +22,7 @@ from paged_jax.attention import make_attention_backend
 from paged_jax.core.kv_quant import (FORMATS, check_scale, from_pages_numpy, get_kv_quant_format, key_rotation,
                                      quantize_numpy, to_pages_numpy)
 from paged_jax.core.step_inputs import AttentionMetadata
-from pallas_kernels.kv_cache_write import write_kv_cache
+from pallas_kernels.kv_cache_write import _least_error_scale, _round_in_f32, write_kv_cache
 from test_paged_attention import TOLERANCE, attention_f64, build_batch, cdiv, run_impl
 
 FORMAT_NAMES = tuple(FORMATS)  # fp8_e4m3, fp8_e5m2, int8
@@ -170,6 +170,29 @@ def heavy_tailed(rng, shape):
     x = rng.standard_normal(shape) * np.exp(rng.uniform(-7, 7, shape[:-1]))[..., None]
     x.reshape(-1)[rng.choice(x.size, 5, replace=False)] *= 50.0
     return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_scale_search_rounds_without_a_conversion(name):
+    """The search's rounding equals the format's conversion bit for bit (ties, subnormals,
+    saturation), and its program converts nothing to fp8: XLA:GPU folds an f32 -> fp8 -> f32
+    round trip away (SimplifyFPConversions), which left every candidate's error ~0 there."""
+    fmt = FORMATS[name]
+    finfo = ml_dtypes.finfo(fmt.storage_dtype)
+    grid = np.arange(256, dtype=np.uint8).view(fmt.storage_dtype).astype(np.float32)
+    grid = np.unique(grid[np.isfinite(grid)])
+    midpoints = (grid[1:] + grid[:-1]) / 2  # ties: half to even
+    rng = np.random.default_rng(0)
+    y = np.concatenate([grid, midpoints, np.nextafter(midpoints, 0), np.nextafter(midpoints, np.inf),
+                        rng.uniform(-1.2, 1.2, 4096) * float(finfo.max), [float(finfo.max) * 4, -1e30],
+                        rng.standard_normal(1024) * float(finfo.smallest_subnormal) * 8]).astype(np.float32)
+    x = jnp.asarray(y[None])
+    one = jnp.ones((1,), jnp.float32)
+    emulated = np.asarray(jax.jit(lambda x: _round_in_f32(x, one, fmt))(x))
+    converted = quantize_numpy(y, fmt, np.float32(1)).astype(np.float32)
+    np.testing.assert_array_equal(emulated[0], converted)
+    hlo = jax.jit(lambda x, s: _least_error_scale(x, s, fmt)).lower(x, one).compile().as_text()
+    assert "f8" not in hlo, "the search converts to fp8, which XLA:GPU may fold away"
 
 
 @pytest.mark.parametrize("name", FORMAT_NAMES)
