@@ -39,7 +39,7 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.kv_cache_spec import FullAttentionSpec
@@ -92,7 +92,9 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
         devices = devices[:tensor_parallel_size]
     if len(devices) != tensor_parallel_size:
         raise ValueError(f"got {len(devices)} devices for tensor_parallel_size={tensor_parallel_size}")
-    return Mesh(np.asarray(devices), (TP_AXIS,))
+    # Auto axes: the partitioner propagates shardings through the layers (newer jax makes
+    # abstract meshes Explicit by default, which wants an out_sharding on every sharded dot).
+    return Mesh(np.asarray(devices), (TP_AXIS,), axis_types=(AxisType.Auto,))
 
 
 def sharded_cache_spec(spec, tensor_parallel_size: int):

@@ -130,7 +130,7 @@ def test_sharded_layer_lowers_for_cuda(tp):
     shard_map: the runner's layer program as the GPUs would get it. An AbstractMesh stands in
     for the devices; at tp=16 each KV head is held twice."""
     from flax import nnx
-    from jax.sharding import AbstractMesh, NamedSharding
+    from jax.sharding import AbstractMesh, AxisType, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from models.kv_cache_spec import FullAttentionSpec
@@ -142,7 +142,7 @@ def test_sharded_layer_lowers_for_cuda(tp):
 
     config = LlamaConfig.from_preset("llama-3.2-1b")
     graphdef, state = nnx.split(nnx.eval_shape(lambda: DecoderLayer(config, rngs=nnx.Rngs(0))))
-    mesh = AbstractMesh((tp,), (TP_AXIS,))
+    mesh = AbstractMesh((tp,), (TP_AXIS,), axis_types=(AxisType.Auto,))  # as make_mesh's (jax 0.11 defaults to Explicit)
     replicas = kv_head_replicas(config.num_kv_heads, tp)
     spec = sharded_cache_spec(FullAttentionSpec(config.num_kv_heads, config.head_dim, "bfloat16"), tp)
     attention = ShardedAttention(make_attention_backend(spec, "pallas"), mesh, replicas)
