@@ -30,6 +30,7 @@ for shared-prefix, so every round is a first round).
 
 Run: .venv/bin/python scripts/bench_peers.py [--rounds 3] [--engines auto auto:int8 float32]
      .venv/bin/python scripts/bench_peers.py --workloads concurrent shared-prefix [--engines auto:int8 auto]
+     .venv/bin/python scripts/bench_peers.py --no-server   # llama-bench only (a llama-server that will not start)
 """
 
 from __future__ import annotations
@@ -313,6 +314,9 @@ def main() -> None:
     parser.add_argument("--build", action="store_true", help="build llama.cpp first (tens of minutes)")
     parser.add_argument("--workloads", nargs="+", default=["single"], choices=["single", *SERVING],
                         help="single: one stream in this process; the others: servers (module docstring)")
+    parser.add_argument("--no-server", action="store_true",
+                        help="single workload against llama-bench alone (for a llama.cpp build whose server "
+                        "will not start)")
     parser.add_argument("--out", default=None, help="default: results/bench_peers.json, or "
                         "results/bench_peers_serving.json without the single workload")
     args = parser.parse_args()
@@ -336,11 +340,12 @@ def main() -> None:
     rows, result = [], {"machine": machine_info(), "command": command_line(), "prompt_tokens": args.prompt_tokens,
                         "max_tokens": args.max_tokens, "rounds": args.rounds, "runs": {}}
     ours = {v: PagedJax(gguf, v) for v in args.engines}
-    server = LlamaServer(llama_dir, gguf, threads, ctx=1024)
-    runs = {name: [] for name in [*(f"paged-jax {wd}" for wd in ours), "llama-server"]}
+    server = None if args.no_server else LlamaServer(llama_dir, gguf, threads, ctx=1024)
+    runs = {name: [] for name in [*(f"paged-jax {wd}" for wd in ours), *(["llama-server"] if server else [])]}
     tokens = {}
     try:
-        for name, peer in [*((f"paged-jax {wd}", p) for wd, p in ours.items()), ("llama-server", server)]:
+        for name, peer in [*((f"paged-jax {wd}", p) for wd, p in ours.items()),
+                           *([("llama-server", server)] if server else [])]:
             peer.run(prompt_ids, 8)  # warm: first-request costs (threads, caches) out of the rounds
         for r in range(args.rounds):
             order = list(runs) if r % 2 == 0 else list(reversed(runs))
@@ -350,19 +355,22 @@ def main() -> None:
                 runs[name].append({k: v for k, v in out.items() if k != "tokens"})
                 tokens[name] = out["tokens"]
     finally:
-        server.close()
+        if server is not None:
+            server.close()
     tg128 = {name: [] for name in runs if name != "llama-server"}
     for r in range(args.rounds):
         for name in tg128:
             tg128[name].append(ours[name.split(" ", 1)[1]].run(prompt_ids[:1], 129)["decode_tok_s"])
     tg = llama_bench_tg(llama_dir, gguf, threads)
-    base = median(x["decode_tok_s"] for x in runs["llama-server"])
+    # Without a server, ratios are to llama-bench tg128 and tokens are not compared.
+    base = median(x["decode_tok_s"] for x in runs["llama-server"]) if server else tg
     for name, xs in runs.items():
         tok_s = median(x["decode_tok_s"] for x in xs)
-        same = sum(a == b for a, b in zip(tokens[name], tokens["llama-server"]))
+        same = f"{sum(a == b for a, b in zip(tokens[name], tokens['llama-server']))}/{len(tokens[name])}" \
+            if server else ""
         rows.append([name, f"{tok_s:.1f}", f"{min(x['decode_tok_s'] for x in xs):.1f}-"
                      f"{max(x['decode_tok_s'] for x in xs):.1f}", f"{tok_s / base:.2f}x",
-                     f"{median(x['ttft_ms'] for x in xs):.0f}", f"{same}/{len(tokens[name])}"])
+                     f"{median(x['ttft_ms'] for x in xs):.0f}", same])
     rows.append(["llama-bench tg128", f"{tg:.1f}", "", f"{tg / base:.2f}x", "", ""])
     for name, xs in tg128.items():
         rows.append([f"{name}, tg128 (1-token prompt)", f"{median(xs):.1f}", f"{min(xs):.1f}-{max(xs):.1f}",
@@ -371,7 +379,8 @@ def main() -> None:
     result["first_tokens"] = {k: v[:32] for k, v in tokens.items()}
     print_table(f"single stream, {args.prompt_tokens}-token prompt, {args.max_tokens} greedy tokens, "
                 f"{threads} threads ({result['machine'].get('cpu')})",
-                ["engine", "decode tok/s (median)", "range", "vs llama-server", "TTFT ms", "tokens = llama.cpp's"],
+                ["engine", "decode tok/s (median)", "range", "vs llama-server" if server else "vs llama-bench tg128",
+                 "TTFT ms", "tokens = llama.cpp's"],
                 rows)
     write_json(args.out or "results/bench_peers.json", result)
     if len(args.workloads) > 1:
