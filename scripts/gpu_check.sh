@@ -27,6 +27,11 @@
 # tests' junit XML into $OUT/gpu_check.json (scripts/gpu_check_summary.py).
 #
 #   bash scripts/gpu_check.sh [--only tests,e2e]   # on the GPU machine (python3 with jax[cuda])
+# Every section at its cap is more than one device call's 10 minutes: the first H200 run
+# (docs/BENCHMARKS.md section 8) needed ~200 s for the tests with 8 workers and ~190 s for
+# the end-to-end rows (compiles included), so a 15-minute lease takes two calls:
+#   GPU_CHECK_BUDGET_S=420 bash scripts/gpu_check.sh --only tests,attention,kvquant,matmul
+#   GPU_CHECK_BUDGET_S=420 bash scripts/gpu_check.sh --only e2e,offload,tp
 #   E2E_PRESET=smollm2-135m bash scripts/gpu_check.sh --only e2e   # one preset's end-to-end rows
 #   bash scripts/gpu_check.sh --dry-run            # anywhere: CPU, interpret mode, tiny shapes
 # PYTHON=/path/to/python overrides the interpreter.
@@ -104,13 +109,14 @@ export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}"
 
 # f32 checks of the XLA path and the references must not run in TF32; workers share the GPU.
 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false \
-  section tests 180 "$PY" -m pytest -q -p no:cacheprovider -n 8 --dist loadfile --timeout=100 --tb=short \
+  section tests 220 "$PY" -m pytest -q -p no:cacheprovider -n 8 --dist loadfile --timeout=100 --tb=short \
   --junitxml="$RESULTS/gpu_tests.xml" -o addopts="" -rfE "${TESTS[@]}"
 # the benchmarks measure bf16 at the default precision
 section attention 100 "$PY" scripts/gpu_bench_attention.py --budget-s 70 --out "$RESULTS"
-section e2e 140 "$PY" scripts/gpu_bench_e2e.py --budget-s 110 ${E2E_PRESET:+--preset "$E2E_PRESET"} --out "$RESULTS"
-section matmul 35 "$PY" scripts/bench_quant_matmul.py --rows 1 16 --repeats 10 --out "$RESULTS"
-section kvquant 45 "$PY" scripts/gpu_bench_kv_quant.py --out "$RESULTS"
+section e2e 200 "$PY" scripts/gpu_bench_e2e.py --budget-s 150 ${E2E_PRESET:+--preset "$E2E_PRESET"} --out "$RESULTS"
+section kvquant 75 "$PY" scripts/gpu_bench_kv_quant.py --out "$RESULTS"
+# 6 layers, not 30: the first run spent its 35 s compiling 30 layers in five formats
+section matmul 60 "$PY" scripts/bench_quant_matmul.py --layers 6 --rows 1 16 --repeats 10 --out "$RESULTS"
 JAX_DEFAULT_MATMUL_PRECISION=highest section offload 90 "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
   --timeout=80 tests/test_offload_engine.py -k "page_copies or heavy or brings"
 section tp 90 "$PY" scripts/bench_tensor_parallel.py --quick --native --tp 1 --out "$RESULTS"
