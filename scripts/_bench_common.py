@@ -80,6 +80,13 @@ def command_line() -> str:
     return "python " + " ".join([os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
 
 
+def tree_nbytes(tree) -> int:
+    """Bytes of every array leaf of a pytree (a PackedWeight's at its stored size)."""
+    import jax
+
+    return sum(int(a.nbytes) for a in jax.tree.leaves(tree))
+
+
 def median(xs) -> float:
     return float(statistics.median(xs))
 

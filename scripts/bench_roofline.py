@@ -58,7 +58,7 @@ import time
 
 import numpy as np
 
-from _bench_common import command_line, machine_info, print_table, useful_flops, write_json
+from _bench_common import command_line, machine_info, print_table, tree_nbytes, useful_flops, write_json
 
 MODEL = "smollm2-135m-instruct"
 
@@ -138,12 +138,6 @@ def machine_limits(*, bandwidth_bytes: int, matvec_shape: tuple[int, int], layer
     }
 
 
-def _nbytes(tree) -> int:
-    import jax
-
-    return sum(int(a.nbytes) for a in jax.tree.leaves(tree))
-
-
 def gguf_bytes(path: str) -> dict:
     """The GGUF's tensor bytes (what llama.cpp reads per decode token), total and per type."""
     import gguf
@@ -162,8 +156,8 @@ def decode_requirements(engine, context: int, gguf_path: str) -> dict:
     from models.kv_cache_spec import kv_cache_bytes_per_token
 
     runner, model = engine.runner, engine.model
-    layers = sum(_nbytes(p) for p in runner.layer_params)
-    head = _nbytes(runner.head_params)  # embedding, final norm, lm_head if untied
+    layers = sum(tree_nbytes(p) for p in runner.layer_params)
+    head = tree_nbytes(runner.head_params)  # embedding, final norm, lm_head if untied
     embed_table = int(model.embed_tokens.get_value().nbytes)  # a float array or a PackedWeight
     tied = model.lm_head is None
     row = embed_table // model.config.vocab_size

@@ -31,7 +31,9 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _bench_common import tree_nbytes  # noqa: E402
 from models.packed_weight import pack_model  # noqa: E402
 from models.registry import build_preset  # noqa: E402
 from paged_jax.engine import LLMEngine  # noqa: E402
@@ -55,12 +57,6 @@ DRY_RUN_ROWS = [
     dict(preset="tiny", weight_dtype="float32", num_prompts=4, prompt_len=32, max_tokens=8, max_num_batched_tokens=64),
     dict(preset="tiny", weight_dtype="int8", num_prompts=1, prompt_len=32, max_tokens=8, max_num_batched_tokens=64),
 ]
-
-
-def weight_bytes(model) -> int:
-    """Bytes of every parameter array (packed weights at their stored size)."""
-    from flax import nnx
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
 def measure_row(shape: dict, interpret: bool) -> dict:
@@ -87,13 +83,12 @@ def measure_row(shape: dict, interpret: bool) -> dict:
         first_done = None
         made_before = 0
         while engine.has_unfinished_requests():
-            outputs = engine.step()
+            engine.step()
             if first_done is None and not engine.scheduler.waiting and all(
                     r.num_output_tokens > 0 for r in engine.scheduler.running):
                 jax.block_until_ready(engine.runner.kv_caches)
                 first_done = time.perf_counter()
                 made_before = sum(r.num_output_tokens for r in engine.scheduler.running)
-            del outputs
         jax.block_until_ready(engine.runner.kv_caches)
         end = time.perf_counter()
         total = shape["num_prompts"] * shape["max_tokens"]
@@ -105,7 +100,8 @@ def measure_row(shape: dict, interpret: bool) -> dict:
     measured_s, decode_s, decode_tokens = run("measured")
     generated = shape["num_prompts"] * shape["max_tokens"]
     step_s = decode_s / max(1, decode_tokens / shape["num_prompts"])
-    nbytes = weight_bytes(model)
+    # What a decode step reads of the weights, as bench_roofline counts it (a tied embedding once).
+    nbytes = tree_nbytes(engine.runner.layer_params) + tree_nbytes(engine.runner.head_params)
     return {
         "model": f"{shape['preset']} (random weights)", "weight_dtype": shape["weight_dtype"],
         "weight_mb": round(nbytes / 1e6, 1), "backend": jax.default_backend(), "jax": jax.__version__,
