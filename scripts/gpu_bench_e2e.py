@@ -10,13 +10,15 @@ are not skipped):
 Greedy with ignore_eos, so every request generates all its tokens. A row reports generated
 tokens/s over the whole run, the decode rate after the first token (batch 1: one stream's
 tok/s) and the weight bytes a decode step reads, as GB/s against the device's copy bandwidth
-(gpu_bench_attention.py measures it).
+(gpu_bench_attention.py measures it). A batch-1 row also takes 31 decode steps apart
+(bench_roofline.TimedStep: host work, each compiled program, each synchronised), which says
+whether a step's fixed cost is the host's or the device's.
 
     python scripts/gpu_bench_e2e.py [--dry-run] [--out DIR] [--budget-s S]
 
 --dry-run: the tiny preset on CPU, a few prompts of 32 tokens, 8 new tokens, the Pallas kernel
 in interpret mode (proves the script runs). --budget-s: rows not started by then are skipped;
---preset NAME: only that preset's rows.
+--preset NAME / --batch N: only that preset's / batch size's rows.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _bench_common import tree_nbytes  # noqa: E402
+from bench_roofline import TimedStep, decode_run  # noqa: E402
 from models.packed_weight import pack_model  # noqa: E402
 from models.registry import build_preset  # noqa: E402
 from paged_jax.engine import LLMEngine  # noqa: E402
@@ -102,6 +105,11 @@ def measure_row(shape: dict, interpret: bool) -> dict:
     step_s = decode_s / max(1, decode_tokens / shape["num_prompts"])
     # What a decode step reads of the weights, as bench_roofline counts it (a tied embedding once).
     nbytes = tree_nbytes(engine.runner.layer_params) + tree_nbytes(engine.runner.head_params)
+    parts = {}
+    if shape["num_prompts"] == 1:  # where a step's time goes: engine.step taken apart, synchronised
+        timed = TimedStep(engine)
+        decode_run(engine, prompts[0], min(shape["max_tokens"], 32), step=timed)
+        parts = {name: round(float(np.median(s)) * 1e3, 3) for name, s in timed.parts.items()}
     return {
         "model": f"{shape['preset']} (random weights)", "weight_dtype": shape["weight_dtype"],
         "weight_mb": round(nbytes / 1e6, 1), "backend": jax.default_backend(), "jax": jax.__version__,
@@ -113,6 +121,7 @@ def measure_row(shape: dict, interpret: bool) -> dict:
         "total_tok_per_s": round((generated + shape["num_prompts"] * shape["prompt_len"]) / measured_s, 1),
         "decode_step_ms": round(step_s * 1e3, 3), "decode_tok_per_s": round(decode_tokens / decode_s, 1),
         "weight_gb_s_in_decode": round(nbytes / step_s / 1e9, 1),
+        "decode_step_parts_ms": parts,
     }
 
 
@@ -122,12 +131,14 @@ def main() -> int:
     parser.add_argument("--out", default="results")
     parser.add_argument("--budget-s", type=float, default=1e9)
     parser.add_argument("--preset", default=None, help="only the rows of this preset")
+    parser.add_argument("--batch", type=int, default=None, help="only the rows of this batch size")
     args = parser.parse_args()
     start = time.perf_counter()
     interpret = args.dry_run and jax.default_backend() == "cpu"
     results = []
     for shape in DRY_RUN_ROWS if args.dry_run else ROWS:
-        if args.preset is not None and shape["preset"] != args.preset:
+        if (args.preset is not None and shape["preset"] != args.preset
+                or args.batch is not None and shape["num_prompts"] != args.batch):
             continue
         if time.perf_counter() - start > args.budget_s:
             print(f"skipped (budget spent): {shape}")
@@ -151,6 +162,10 @@ def main() -> int:
         print(f"{r['model'].split()[0]:<14} {r['weight_dtype']:<9} {r['prompts']:>5} {r['generated_tok_per_s']:>8} "
               f"{r['decode_tok_per_s']:>12} {r['decode_step_ms']:>8} {r['weight_gb_s_in_decode']:>11} "
               f"{r['new_compilations_in_measured_run']:>15}")
+    for r in results:
+        if r.get("decode_step_parts_ms"):
+            print(f"-- a batch-1 decode step of {r['model'].split()[0]} {r['weight_dtype']}, taken apart (median ms, "
+                  f"each part synchronised): " + ", ".join(f"{k} {v}" for k, v in r["decode_step_parts_ms"].items()))
     return 1 if any("error" in r for r in results) else 0
 
 

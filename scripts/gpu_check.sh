@@ -33,6 +33,7 @@
 #   GPU_CHECK_BUDGET_S=420 bash scripts/gpu_check.sh --only tests,attention,kvquant,matmul
 #   GPU_CHECK_BUDGET_S=420 bash scripts/gpu_check.sh --only e2e,offload,tp
 #   E2E_PRESET=smollm2-135m bash scripts/gpu_check.sh --only e2e   # one preset's end-to-end rows
+#   E2E_BATCH=1 ...                                 # one batch size's rows (batch 1 takes a step apart)
 #   bash scripts/gpu_check.sh --dry-run            # anywhere: CPU, interpret mode, tiny shapes
 # PYTHON=/path/to/python overrides the interpreter.
 set -uo pipefail
@@ -113,7 +114,8 @@ JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false \
   --junitxml="$RESULTS/gpu_tests.xml" -o addopts="" -rfE "${TESTS[@]}"
 # the benchmarks measure bf16 at the default precision
 section attention 100 "$PY" scripts/gpu_bench_attention.py --budget-s 70 --out "$RESULTS"
-section e2e 200 "$PY" scripts/gpu_bench_e2e.py --budget-s 150 ${E2E_PRESET:+--preset "$E2E_PRESET"} --out "$RESULTS"
+section e2e 200 "$PY" scripts/gpu_bench_e2e.py --budget-s 150 ${E2E_PRESET:+--preset "$E2E_PRESET"} \
+  ${E2E_BATCH:+--batch "$E2E_BATCH"} --out "$RESULTS"
 section kvquant 75 "$PY" scripts/gpu_bench_kv_quant.py --out "$RESULTS"
 # 6 layers, not 30: the first run spent its 35 s compiling 30 layers in five formats
 section matmul 60 "$PY" scripts/bench_quant_matmul.py --layers 6 --rows 1 16 --repeats 10 --out "$RESULTS"
