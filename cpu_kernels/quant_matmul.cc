@@ -41,7 +41,15 @@ namespace {
 
 constexpr int64_t kBlock = 32;      // inputs per q8_0 / q4_1 block
 constexpr int64_t kTile = 16;       // output rows per tile
-constexpr int kMaxRows = 4;         // x rows sharing one pass over a tile
+// x rows sharing one pass over a tile. The AVX-512 int8 loops keep 8 rows' accumulators in
+// registers (a verification step of 1 + k <= 8 tokens then reads each tile once); the f32 and
+// AVX2 loops need more registers per row.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int kMaxRows = 8;
+#else
+constexpr int kMaxRows = 4;
+#endif
+constexpr int kMaxRowsF32 = 4;
 constexpr int64_t kChunkTiles = 2;  // tiles a task takes at once
 constexpr int kMaxParts = 4;        // weights one call takes
 
@@ -361,23 +369,22 @@ void avx_q4_1_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[k
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = tile + b * 320;
     const __m512 d = load_f16x16(p), m = load_f16x16(p + 32);
-    __m512i dot[r][2];
-    for (int i = 0; i < r; ++i) dot[i][0] = dot[i][1] = _mm512_setzero_si512();
+    __m512i dot[r];
+    for (int i = 0; i < r; ++i) dot[i] = _mm512_setzero_si512();
     for (int L = 0; L < 4; ++L) {
       const __m512i v = _mm512_loadu_si512(p + 64 + 64 * L);
       const __m512i lo = _mm512_and_si512(v, nibble);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       for (int i = 0; i < r; ++i) {
         const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
-        dot[i][0] = _mm512_dpbusd_epi32(dot[i][0], lo, bcast4(xb + 4 * L));
-        dot[i][1] = _mm512_dpbusd_epi32(dot[i][1], hi, bcast4(xb + 16 + 4 * L));
+        dot[i] = _mm512_dpbusd_epi32(dot[i], lo, bcast4(xb + 4 * L));
+        dot[i] = _mm512_dpbusd_epi32(dot[i], hi, bcast4(xb + 16 + 4 * L));
       }
     }
     for (int i = 0; i < r; ++i) {
       const int64_t at = (i0 + i) * nb + b;
       const float dx = wk.xd[at];
-      const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[i][0], dot[i][1]));
-      acc[i] = _mm512_fmadd_ps(sum, _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[i]);
       acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * float(wk.xqs[at])), acc[i]);
     }
   }
@@ -392,19 +399,19 @@ void avx_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[k
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = tile + b * 544;
     const __m512 d = load_f16x16(p);
-    __m512i dot[r][2];
-    for (int i = 0; i < r; ++i) dot[i][0] = dot[i][1] = _mm512_setzero_si512();
+    __m512i dot[r];
+    for (int i = 0; i < r; ++i) dot[i] = _mm512_setzero_si512();
     for (int L = 0; L < 8; ++L) {
       const __m512i v = _mm512_loadu_si512(p + 32 + 64 * L);  // q + 128, unsigned
       for (int i = 0; i < r; ++i) {
         const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
-        dot[i][L & 1] = _mm512_dpbusd_epi32(dot[i][L & 1], v, bcast4(xb + 4 * L));
+        dot[i] = _mm512_dpbusd_epi32(dot[i], v, bcast4(xb + 4 * L));
       }
     }
     for (int i = 0; i < r; ++i) {
       const int64_t at = (i0 + i) * nb + b;
       // sum((q + 128) * xq) - 128 * sum(xq) = sum(q * xq), exactly.
-      const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(dot[i][0], dot[i][1]), _mm512_set1_epi32(128 * wk.xqs[at]));
+      const __m512i sum = _mm512_sub_epi32(dot[i], _mm512_set1_epi32(128 * wk.xqs[at]));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(wk.xd[at])), acc[i]);
     }
   }
@@ -423,7 +430,11 @@ void avx_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[k
       case 1: return fn<1>(wk, tile, i0, out);                                                      \
       case 2: return fn<2>(wk, tile, i0, out);                                                      \
       case 3: return fn<3>(wk, tile, i0, out);                                                      \
-      default: return fn<4>(wk, tile, i0, out);                                                     \
+      case 4: return fn<4>(wk, tile, i0, out);                                                      \
+      case 5: return fn<5>(wk, tile, i0, out);                                                      \
+      case 6: return fn<6>(wk, tile, i0, out);                                                      \
+      case 7: return fn<7>(wk, tile, i0, out);                                                      \
+      default: return fn<8>(wk, tile, i0, out);                                                     \
     }                                                                                               \
   }
 
@@ -470,8 +481,8 @@ void tile_dot<kBF16, kF32>(const Work& wk, const uint8_t* tile, int64_t rows, in
   for (int64_t l = 0; l < rows; ++l) {
     const uint16_t* wb = reinterpret_cast<const uint16_t*>(tile) + l * wk.k;
 #if defined(__AVX512F__)
-    __m512 acc[kMaxRows];
-    for (int i = 0; i < kMaxRows; ++i) acc[i] = _mm512_setzero_ps();
+    __m512 acc[kMaxRowsF32];
+    for (int i = 0; i < kMaxRowsF32; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < wk.k; j += 16) {
       const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(wb + j)));
       const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
@@ -507,8 +518,9 @@ void run_chunks(Work& wk) {
     const Part& part = wk.parts[p];
     const int64_t t0 = (c - part.first_chunk) * kChunkTiles;
     const int64_t t1 = std::min(part.num_tiles, t0 + kChunkTiles);
-    for (int64_t i0 = 0; i0 < wk.m; i0 += kMaxRows) {
-      const int r = int(std::min<int64_t>(kMaxRows, wk.m - i0));
+    constexpr int64_t max_rows = kActs == kI8 ? kMaxRows : kMaxRowsF32;
+    for (int64_t i0 = 0; i0 < wk.m; i0 += max_rows) {
+      const int r = int(std::min<int64_t>(max_rows, wk.m - i0));
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t lanes = std::min<int64_t>(kTile, part.n - t * kTile);
         tile_dot<kFormat, kActs>(wk, part.w + t * stride, lanes, i0, r, out);
