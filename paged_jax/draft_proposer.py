@@ -75,9 +75,11 @@ class DraftModelProposer:
         self.builder = builder
         self.num_passes = 0
 
-    def propose(self, scheduler_output) -> None:
+    def propose(self, scheduler_output, enabled: bool = True) -> None:
         """Runs the draft after the target's step of scheduler_output (its update applied) and
-        sets each decoding request's spec_token_ids (at most proposal_budget of them)."""
+        sets each decoding request's spec_token_ids (at most proposal_budget of them). Not
+        `enabled` (SpeculativeConfig.disable_by_batch_size): only the pass that writes the
+        draft's KV of this step's tokens, and no proposals."""
         out = scheduler_output
         ids, token_lists, starts, budgets, requests = [], [], [], [], []
         for request, start in zip(out.requests, out.num_computed_tokens):
@@ -90,7 +92,7 @@ class DraftModelProposer:
             decoding = (request.status == RequestStatus.RUNNING and end == request.num_tokens
                         and request.num_tokens - request.num_computed_tokens == 1)
             budgets.append(proposal_budget(request, self.num_speculative_tokens, self.max_model_len)
-                           if decoding else 0)
+                           if decoding and enabled else 0)
             requests.append(request)
         if not ids:
             return

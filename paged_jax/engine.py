@@ -299,11 +299,14 @@ class LLMEngine:
 
     def _propose(self, scheduler_output) -> None:
         """Proposals for every decoding request (core/spec_decode.py), at most proposal_budget
-        of them: the draft model's passes after this step, or prompt lookup."""
+        of them: the draft model's passes after this step, or prompt lookup; none while the
+        batch is at least disable_by_batch_size."""
+        spec = self.spec_config
+        enabled = spec.enabled_for(len(self.scheduler.running))
+        self.scheduler.spec_stats.num_disabled_steps += not enabled
         if self.drafter is not None:
-            self.drafter.propose(scheduler_output)
-        else:
-            spec = self.spec_config
+            self.drafter.propose(scheduler_output, enabled)
+        elif enabled:
             max_model_len = self.cache_config.max_model_len
             for request in self.scheduler.running:
                 if request.num_tokens - request.num_computed_tokens != 1:

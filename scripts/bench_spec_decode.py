@@ -1,11 +1,12 @@
 """Speculative decoding with prompt lookup (n-gram) against plain decoding: SmolLM2-135M-Instruct.
 
     python scripts/bench_spec_decode.py [--quick] [--runs 3] [--new-tokens 128] [--k 4] [--weight-dtype auto]
-        [--activation-dtype int8]
+        [--activation-dtype int8] [--disable-by-batch-size 8] [--batches 1 16] [--workloads repetitive open]
+        [--out PATH]
 
 Two engines over one loaded model (the GGUF, --weight-dtype as LLM's weight_dtype), one with
 speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-"prompt_lookup_max": 4} and one without, run side by side (alternating which goes first in
+"prompt_lookup_max": 4, "disable_by_batch_size": --disable-by-batch-size} and one without, run side by side (alternating which goes first in
 each run; medians). Greedy, EOS disabled, --new-tokens tokens per request.
 
 Workloads (chat prompts with the model's template, over passages of Python's own docs):
@@ -86,6 +87,13 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weight-dtype", default="auto", help="LLM's weight_dtype (auto keeps the GGUF's blocks)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16], choices=[1, 16],
+                        help="which batch sizes to run (default both)")
+    parser.add_argument("--workloads", nargs="+", default=["repetitive", "open"], choices=["repetitive", "open"],
+                        help="which workloads to run (default both)")
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="speculative_config's disable_by_batch_size (default: none, always propose)")
+    parser.add_argument("--out", default=None, help="JSON path (default results/bench_spec_decode[_quick].json)")
     parser.add_argument("--activation-dtype", default="float32", choices=["float32", "int8"],
                         help="LLM's activation_dtype (int8: llama.cpp's Q8 activations in the packed matmuls)")
     args = parser.parse_args(argv)
@@ -98,15 +106,16 @@ def main(argv=None) -> int:
     settings = dict(model=MODEL, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, num_blocks=2048,
                     warm_up="full", weight_dtype=args.weight_dtype,
                     activation_dtype=args.activation_dtype)
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+            "disable_by_batch_size": args.disable_by_batch_size}
     base = LLM(**settings).engine
     engines = {"plain": base,
                "ngram": LLMEngine(EngineConfig(**settings, speculative_config=spec), model=base.model,
                                   tokenizer=base.tokenizer)}
     work = workloads(base, 16, args.seed)
     batch_one = 4 if args.quick else 8  # prompts timed one at a time
-    cases = [(name, 1, prompts[:batch_one]) for name, prompts in work.items()]
-    cases += [(name, 16, prompts) for name, prompts in work.items()]
+    cases = [(name, batch, prompts[:batch_one] if batch == 1 else prompts)
+             for batch in args.batches for name, prompts in work.items() if name in args.workloads]
     for engine in engines.values():  # prefix-cache every prompt; compile nothing in the timed runs
         for _, batch, prompts in cases:
             run(engine, prompts, batch, 2)
@@ -144,14 +153,15 @@ def main(argv=None) -> int:
         assert engine.get_stats()["num_compilations"] == compiled[name], f"{name}: a timed run compiled"
     info = machine_info()
     print_table(f"prompt-lookup speculative decoding, {MODEL} (weight_dtype {args.weight_dtype}, activation_dtype "
-                f"{args.activation_dtype}), k={args.k}, "
+                f"{args.activation_dtype}), k={args.k}, disable_by_batch_size {args.disable_by_batch_size}, "
                 f"{args.new_tokens} tokens, greedy; "
                 f"medians of {args.runs} runs; {info['cpu']}",
                 ["workload", "batch", "prompts", "plain tok/s", "ngram tok/s", "speedup", "acceptance",
                  "mean accepted length", "identical"], rows)
-    write_json(f"results/bench_spec_decode{'_quick' if args.quick else ''}.json",
+    write_json(args.out or f"results/bench_spec_decode{'_quick' if args.quick else ''}.json",
                {"command": command_line(), "machine": info, "k": args.k, "new_tokens": args.new_tokens,
                 "weight_dtype": args.weight_dtype, "activation_dtype": args.activation_dtype,
+                "disable_by_batch_size": args.disable_by_batch_size,
                 "runs": args.runs, "results": results})
     return 0 if all(r["identical"] for r in results) else 1
 

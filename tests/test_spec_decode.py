@@ -61,6 +61,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     ({"num_speculative_tokens": 2}, "method"),
     ("{not json", "JSON"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "model=None"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size"),
 ])
 def test_bad_speculative_config_names_the_field(bad, field):
     with pytest.raises(ValueError, match=field):
@@ -167,6 +168,34 @@ def test_greedy_outputs_equal_dense_greedy(pool):
     # tokens only); the small pool has evicted them, and it runs the workload preempting again.
     assert generate(engine, prompts, [greedy(m) for m in max_tokens]) == reference
     assert (engine.get_stats()["prefix_cache_hits"] > 0) == (pool["num_blocks"] > 12)
+    assert_no_leak(engine)
+
+
+def generate_watching_batches(engine: LLMEngine, prompts, params, limit: int) -> list[list[int]]:
+    """generate, checking after every step that no request holds proposals while `limit` or
+    more run (disable_by_batch_size), and that some do when fewer run."""
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    finished, proposed_below = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        running = engine.scheduler.running
+        with_proposals = sum(bool(r.spec_token_ids) for r in running)
+        if len(running) >= limit:
+            assert with_proposals == 0, f"{with_proposals} requests propose in a batch of {len(running)}"
+        proposed_below += with_proposals
+    assert proposed_below > 0, "nothing was proposed below the limit either: the test would prove little"
+    return [finished[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))]
+
+
+def test_disable_by_batch_size_proposes_nothing_in_large_batches_and_keeps_the_outputs():
+    prompts, max_tokens, reference = repetitive_workload()
+    engine = spec_engine(num_blocks=2048, speculative_config={**NGRAM, "disable_by_batch_size": 4})
+    assert generate_watching_batches(engine, prompts, [greedy(m) for m in max_tokens], limit=4) == reference
+    stats = engine.get_stats()
+    assert stats["spec_num_disabled_steps"] > 0 and stats["spec_num_accepted_tokens"] > 0
     assert_no_leak(engine)
 
 

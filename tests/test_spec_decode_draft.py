@@ -44,7 +44,8 @@ from paged_jax.core.scheduler import Scheduler
 from paged_jax.core.spec_decode import SpeculativeConfig
 from paged_jax.engine import LLMEngine
 from paged_jax.engine_config import EngineConfig
-from test_spec_decode import assert_cached_blocks_hold_verified_tokens, generate, greedy, repetitive_workload
+from test_spec_decode import (assert_cached_blocks_hold_verified_tokens, generate, generate_watching_batches, greedy,
+                              repetitive_workload)
 
 K = 3
 DRAFT = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": K}
@@ -183,6 +184,19 @@ def test_greedy_outputs_equal_dense_greedy(draft, pool):
     assert (engine.get_stats()["prefix_cache_hits"] > 0) == (pool["num_blocks"] > 14)
     if draft == "itself":
         assert engine.get_stats()["spec_acceptance_rate"] > 0.97
+    assert_no_leak(engine)
+
+
+def test_disable_by_batch_size_keeps_the_drafts_kv_level():
+    """While the batch is too large to speculate, the draft still writes the KV of every token
+    the target computes: with the target as its own draft, proposals made once the batch
+    shrinks are still accepted ~always (a draft missing those pages would propose wrong ones)."""
+    prompts, max_tokens, reference = repetitive_workload()
+    engine = draft_engine(target(), num_blocks=2048, speculative_config={**DRAFT, "disable_by_batch_size": 4})
+    assert generate_watching_batches(engine, prompts, [greedy(m) for m in max_tokens], limit=4) == reference
+    stats = engine.get_stats()
+    assert stats["spec_num_disabled_steps"] > 0
+    assert stats["spec_acceptance_rate"] > 0.97, stats["spec_acceptance_rate"]
     assert_no_leak(engine)
 
 

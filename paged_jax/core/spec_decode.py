@@ -47,6 +47,12 @@ class SpeculativeConfig:
       model: the draft model (method "draft_model" only, and required there): any `model=`
         the engine takes ("tiny", a named model, a .gguf file, a HF directory), with the
         target's vocabulary (the engine checks its vocab_size when it loads it).
+      disable_by_batch_size: propose nothing in a step that follows one with at least this
+        many running requests (vLLM's key; None: always propose). Verifying 1 + k tokens per
+        request costs little more than one token only while a step is bound by reading the
+        weights; a large batch already is compute-bound, and there speculation only slows
+        (docs/BENCHMARKS.md section 20). A draft model still runs its first pass then, so its
+        KV stays level with the target's.
     """
 
     method: str = "ngram"
@@ -54,6 +60,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self):
         if self.method not in SPEC_METHODS:
@@ -69,6 +76,13 @@ class SpeculativeConfig:
         check_int("prompt_lookup_min", self.prompt_lookup_min, 1, "match suffixes of at least one token")
         check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min,
                   f"at least prompt_lookup_min={self.prompt_lookup_min}")
+        if self.disable_by_batch_size is not None:
+            check_int("disable_by_batch_size", self.disable_by_batch_size, 1,
+                      "or None to propose at every batch size")
+
+    def enabled_for(self, num_running: int) -> bool:
+        """Whether to propose for a batch of num_running requests (disable_by_batch_size)."""
+        return self.disable_by_batch_size is None or num_running < self.disable_by_batch_size
 
     @classmethod
     def parse(cls, value) -> SpeculativeConfig | None:
@@ -85,7 +99,8 @@ class SpeculativeConfig:
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config={value!r} must be a dict (or its JSON), e.g. "
                              '{"method": "ngram", "num_speculative_tokens": 4}')
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                 "disable_by_batch_size"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; the keys are {sorted(known)}")
@@ -130,7 +145,9 @@ class SpecDecodeStats:
     """Cumulative counters (vLLM's spec-decode metrics).
 
     num_drafts counts verification rows (requests with >= 1 proposal in a step);
-    accepted_per_position[j] how often the j-th proposal of a row was accepted.
+    accepted_per_position[j] how often the j-th proposal of a row was accepted;
+    num_disabled_steps the steps after which nothing was proposed because the batch was
+    disable_by_batch_size or more.
     """
 
     num_spec_tokens: int
@@ -138,6 +155,7 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    num_disabled_steps: int = 0
 
     def __post_init__(self):
         if not self.accepted_per_position:
@@ -162,4 +180,5 @@ class SpecDecodeStats:
             "spec_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
             "spec_mean_accepted_length": 1.0 + self.num_accepted_tokens / drafts if drafts else 0.0,
             "spec_acceptance_rate_per_position": [a / drafts if drafts else 0.0 for a in self.accepted_per_position],
+            "spec_num_disabled_steps": self.num_disabled_steps,
         }

@@ -42,6 +42,8 @@ class ServerMetrics:
         self.spec_drafts = gauge("vllm:spec_decode_num_drafts", "Verification rows (requests with proposals).")
         self.spec_draft_tokens = gauge("vllm:spec_decode_num_draft_tokens", "Proposed tokens.")
         self.spec_accepted_tokens = gauge("vllm:spec_decode_num_accepted_tokens", "Accepted proposed tokens.")
+        self.spec_disabled_steps = gauge("paged_jax:spec_decode_num_disabled_steps",
+                                         "Steps with no proposals: the batch at disable_by_batch_size or more.")
         self.spec_accepted_per_pos = Gauge("vllm:spec_decode_acceptance_rate_per_pos",
                                            "Share of verification rows whose proposal at this position was "
                                            "accepted.", ["model_name", "position"], registry=self.registry)
@@ -81,6 +83,7 @@ class ServerMetrics:
             self.spec_drafts.set(stats["spec_num_drafts"])
             self.spec_draft_tokens.set(stats["spec_num_draft_tokens"])
             self.spec_accepted_tokens.set(stats["spec_num_accepted_tokens"])
+            self.spec_disabled_steps.set(stats["spec_num_disabled_steps"])
             self.spec_mean_accepted_length.set(stats["spec_mean_accepted_length"])
             for position, rate in enumerate(stats["spec_acceptance_rate_per_position"]):
                 self.spec_accepted_per_pos.labels(model_name=self._model_name, position=str(position)).set(rate)
