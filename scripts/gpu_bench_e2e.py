@@ -18,7 +18,9 @@ whether a step's fixed cost is the host's or the device's.
 
 --dry-run: the tiny preset on CPU, a few prompts of 32 tokens, 8 new tokens, the Pallas kernel
 in interpret mode (proves the script runs). --budget-s: rows not started by then are skipped;
---preset NAME / --batch N: only that preset's / batch size's rows.
+--preset NAME / --batch N / --weight-dtype D: only the rows of that preset / batch size /
+weight dtype. XLA_FLAGS in the environment reach the row's programs (gpu_check.sh's cmdbuf
+section compares XLA:GPU's command-buffer settings on one row).
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def measure_row(shape: dict, interpret: bool) -> dict:
         "total_tok_per_s": round((generated + shape["num_prompts"] * shape["prompt_len"]) / measured_s, 1),
         "decode_step_ms": round(step_s * 1e3, 3), "decode_tok_per_s": round(decode_tokens / decode_s, 1),
         "weight_gb_s_in_decode": round(nbytes / step_s / 1e9, 1),
-        "decode_step_parts_ms": parts,
+        "decode_step_parts_ms": parts, "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
 
 
@@ -132,13 +134,15 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=1e9)
     parser.add_argument("--preset", default=None, help="only the rows of this preset")
     parser.add_argument("--batch", type=int, default=None, help="only the rows of this batch size")
+    parser.add_argument("--weight-dtype", default=None, help="only the rows of this weight dtype")
     args = parser.parse_args()
     start = time.perf_counter()
     interpret = args.dry_run and jax.default_backend() == "cpu"
     results = []
     for shape in DRY_RUN_ROWS if args.dry_run else ROWS:
         if (args.preset is not None and shape["preset"] != args.preset
-                or args.batch is not None and shape["num_prompts"] != args.batch):
+                or args.batch is not None and shape["num_prompts"] != args.batch
+                or args.weight_dtype is not None and shape["weight_dtype"] != args.weight_dtype):
             continue
         if time.perf_counter() - start > args.budget_s:
             print(f"skipped (budget spent): {shape}")

@@ -19,6 +19,9 @@
 #                 cbor2==6.3.0 llguidance gguf
 #   matmul    scripts/bench_quant_matmul.py: SmolLM2's 30 layers of matmuls over packed q8_0 /
 #             q4_1 / bf16 weights (XLA's dequantize + dot on a GPU) vs f32, 1 and 16 rows;
+#   cmdbuf    the SmolLM2 bf16 batch-1 row (a decode step taken apart) with XLA:GPU's command
+#             buffers (CUDA graphs) as they default, off, and with conditionals and loops in them
+#             too: is the fixed per-step cost kernel launches;
 #   kvquant   scripts/gpu_bench_kv_quant.py: decode 64x4096 over bf16 vs fp8 / int8 pages;
 #   offload   page copies in place, swap / host-tier hits equal dense greedy (issue 15);
 #   tp        scripts/bench_tensor_parallel.py --native --tp 1: tp=1 plain and on a one-device
@@ -34,6 +37,7 @@
 #   GPU_CHECK_BUDGET_S=420 bash scripts/gpu_check.sh --only e2e,offload,tp
 #   E2E_PRESET=smollm2-135m bash scripts/gpu_check.sh --only e2e   # one preset's end-to-end rows
 #   E2E_BATCH=1 ...                                 # one batch size's rows (batch 1 takes a step apart)
+#   GPU_TESTS_K="fp8 or packed" ... --only tests    # a subset of the kernel tests (pytest -k)
 #   bash scripts/gpu_check.sh --dry-run            # anywhere: CPU, interpret mode, tiny shapes
 # PYTHON=/path/to/python overrides the interpreter.
 set -uo pipefail
@@ -111,11 +115,29 @@ export JAX_COMPILATION_CACHE_DIR="${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}"
 # f32 checks of the XLA path and the references must not run in TF32; workers share the GPU.
 JAX_DEFAULT_MATMUL_PRECISION=highest XLA_PYTHON_CLIENT_PREALLOCATE=false \
   section tests 220 "$PY" -m pytest -q -p no:cacheprovider -n 8 --dist loadfile --timeout=100 --tb=short \
-  --junitxml="$RESULTS/gpu_tests.xml" -o addopts="" -rfE "${TESTS[@]}"
+  --junitxml="$RESULTS/gpu_tests.xml" -o addopts="" -rfE ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} "${TESTS[@]}"
 # the benchmarks measure bf16 at the default precision
 section attention 100 "$PY" scripts/gpu_bench_attention.py --budget-s 70 --out "$RESULTS"
 section e2e 200 "$PY" scripts/gpu_bench_e2e.py --budget-s 150 ${E2E_PRESET:+--preset "$E2E_PRESET"} \
   ${E2E_BATCH:+--batch "$E2E_BATCH"} --out "$RESULTS"
+cmdbuf() {  # the batch-1 SmolLM2 bf16 row under three command-buffer settings, each its own process
+  set -o pipefail
+  local rc=0 name flags
+  for name in default off graphs_with_control_flow; do
+    case $name in
+      default) flags="" ;;
+      off) flags="--xla_gpu_enable_command_buffer=" ;;
+      graphs_with_control_flow) flags="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE --xla_gpu_graph_min_graph_size=1" ;;
+    esac
+    echo "-- command buffers: $name (XLA_FLAGS=$flags)"
+    XLA_FLAGS="$flags" "$PY" scripts/gpu_bench_e2e.py --preset smollm2-135m --batch 1 --weight-dtype bfloat16 \
+      --out "$RESULTS/cmdbuf_$name" | tail -3 || rc=1
+  done
+  return $rc
+}
+export -f cmdbuf
+export PY RESULTS
+section cmdbuf 120 bash -c cmdbuf
 section kvquant 75 "$PY" scripts/gpu_bench_kv_quant.py --out "$RESULTS"
 # 6 layers, not 30: the first run spent its 35 s compiling 30 layers in five formats
 section matmul 60 "$PY" scripts/bench_quant_matmul.py --layers 6 --rows 1 16 --repeats 10 --out "$RESULTS"

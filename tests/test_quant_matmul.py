@@ -284,8 +284,11 @@ def test_engine_on_packed_weights_matches_dense_generate(activation_dtype):
     outs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         ids = list(prompt)
-        for _ in range(6):  # the dense reference: full causal forward over the whole sequence each token
-            ids.append(int(np.asarray(model.dense_forward(jnp.asarray([ids], jnp.int32)))[0, -1].argmax()))
+        for _ in range(6):  # the dense reference: full causal forward over the whole sequence each token,
+            # padded to one length (causal: the padding changes no earlier position), so its ops
+            # compile once, not once per length (minutes on a GPU)
+            logits = model.dense_forward(jnp.asarray([ids + [0] * (16 - len(ids))], jnp.int32))
+            ids.append(int(np.asarray(logits)[0, len(ids) - 1].argmax()))
         assert list(out.outputs[0].token_ids) == ids[len(prompt):]
 
 
