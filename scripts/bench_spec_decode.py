@@ -1,13 +1,14 @@
 """Speculative decoding with prompt lookup (n-gram) against plain decoding: SmolLM2-135M-Instruct.
 
-    python scripts/bench_spec_decode.py [--quick] [--runs 3] [--new-tokens 128] [--k 4] [--weight-dtype auto]
-        [--activation-dtype int8] [--disable-by-batch-size 8] [--batches 1 16] [--workloads repetitive open]
-        [--out PATH]
+    python scripts/bench_spec_decode.py [--quick] [--runs 3] [--new-tokens 128] [--k 6] [--lookup-min 2]
+        [--lookup-max 6] [--disable-by-batch-size 8] [--weight-dtype auto] [--activation-dtype float32]
+        [--batches 1 16] [--workloads repetitive open] [--out PATH]
 
 Two engines over one loaded model (the GGUF, --weight-dtype as LLM's weight_dtype), one with
-speculative_config={"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-"prompt_lookup_max": 4, "disable_by_batch_size": --disable-by-batch-size} and one without, run side by side (alternating which goes first in
-each run; medians). Greedy, EOS disabled, --new-tokens tokens per request.
+speculative_config={"method": "ngram", "num_speculative_tokens": k (6), "prompt_lookup_min":
+--lookup-min (2), "prompt_lookup_max": --lookup-max (6), "disable_by_batch_size":
+--disable-by-batch-size (8; 0 for none)} and one without, run side by side (alternating which
+goes first in each run; medians). Greedy, EOS disabled, --new-tokens tokens per request.
 
 Workloads (chat prompts with the model's template, over passages of Python's own docs):
 - repetitive: "Rewrite this passage with one change: ..." (the answer copies the passage, so
@@ -84,15 +85,17 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 prompts per batch-1 row, 48 tokens, 1 run")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--k", type=int, default=6, help="num_speculative_tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--weight-dtype", default="auto", help="LLM's weight_dtype (auto keeps the GGUF's blocks)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16], choices=[1, 16],
                         help="which batch sizes to run (default both)")
     parser.add_argument("--workloads", nargs="+", default=["repetitive", "open"], choices=["repetitive", "open"],
                         help="which workloads to run (default both)")
-    parser.add_argument("--disable-by-batch-size", type=int, default=None,
-                        help="speculative_config's disable_by_batch_size (default: none, always propose)")
+    parser.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
+    parser.add_argument("--lookup-max", type=int, default=6, help="prompt_lookup_max")
+    parser.add_argument("--disable-by-batch-size", type=int, default=8,
+                        help="speculative_config's disable_by_batch_size (0: none, always propose)")
     parser.add_argument("--out", default=None, help="JSON path (default results/bench_spec_decode[_quick].json)")
     parser.add_argument("--activation-dtype", default="float32", choices=["float32", "int8"],
                         help="LLM's activation_dtype (int8: llama.cpp's Q8 activations in the packed matmuls)")
@@ -106,8 +109,9 @@ def main(argv=None) -> int:
     settings = dict(model=MODEL, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, num_blocks=2048,
                     warm_up="full", weight_dtype=args.weight_dtype,
                     activation_dtype=args.activation_dtype)
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
-            "disable_by_batch_size": args.disable_by_batch_size}
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
+            "prompt_lookup_max": args.lookup_max,
+            "disable_by_batch_size": args.disable_by_batch_size or None}
     base = LLM(**settings).engine
     engines = {"plain": base,
                "ngram": LLMEngine(EngineConfig(**settings, speculative_config=spec), model=base.model,
@@ -153,7 +157,8 @@ def main(argv=None) -> int:
         assert engine.get_stats()["num_compilations"] == compiled[name], f"{name}: a timed run compiled"
     info = machine_info()
     print_table(f"prompt-lookup speculative decoding, {MODEL} (weight_dtype {args.weight_dtype}, activation_dtype "
-                f"{args.activation_dtype}), k={args.k}, disable_by_batch_size {args.disable_by_batch_size}, "
+                f"{args.activation_dtype}), k={args.k}, lookup {args.lookup_min}..{args.lookup_max}, "
+                f"disable_by_batch_size {args.disable_by_batch_size}, "
                 f"{args.new_tokens} tokens, greedy; "
                 f"medians of {args.runs} runs; {info['cpu']}",
                 ["workload", "batch", "prompts", "plain tok/s", "ngram tok/s", "speedup", "acceptance",
@@ -162,7 +167,8 @@ def main(argv=None) -> int:
                {"command": command_line(), "machine": info, "k": args.k, "new_tokens": args.new_tokens,
                 "weight_dtype": args.weight_dtype, "activation_dtype": args.activation_dtype,
                 "disable_by_batch_size": args.disable_by_batch_size,
-                "runs": args.runs, "results": results})
+                "runs": args.runs, "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max,
+                "results": results})
     return 0 if all(r["identical"] for r in results) else 1
 
 
