@@ -19,7 +19,8 @@ On a CPU the matmul is a native kernel (quant_matmul.cc, an XLA FFI custom call 
 the machine's compiler on first use and cached: cpu_kernels/native.py; its f32-activation
 loops use AVX-512, or AVX2 + FMA + F16C on a CPU without it, as two 8-row halves of each
 tile; int8 activations use AVX-512 VNNI or AVX2's vpmaddubsw, else a portable loop serves): it reads
-each tile once per four rows of x and never writes a dequantized copy, so a decode step reads
+each tile once per four rows of x (eight in the AVX-512 int8 loops, so a verification step of
+up to 1 + 7 tokens reads it once) and never writes a dequantized copy, so a decode step reads
 the format's bytes, not f32's. XLA:CPU has no such kernel of its own: a bf16 or int8 dot runs
 as a naive loop, ~8x slower than the f32 dot, and a fused convert-multiply-reduce reaches
 ~5 G elements/s (docs/BENCHMARKS.md section 18). Elsewhere (a GPU, a CPU without a C++
