@@ -24,6 +24,8 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine_reference import BLOCK_SIZE, MAX_MODEL_LEN, assert_no_leak, big_llm, dense_greedy, runs_of_tokens
 from paged_jax.core.block_pool import hash_with_group_id
@@ -51,6 +53,23 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert propose_ngram([4, 5, 4, 5], 3, 1, 2) == [4, 5]
     assert propose_ngram([1, 2, 3], 3, 1, 3) == [] and propose_ngram([5], 3, 1, 3) == []
     assert propose_ngram(tokens, 0, 1, 3) == []
+
+
+def lookup_by_brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Prompt lookup over every window of every suffix length, longest first, latest first."""
+    num = len(tokens)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        for start in range(num - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[num - n :]:
+                return tokens[start + n : start + n + k] if k > 0 else []
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=48), st.integers(0, 7), st.integers(1, 4), st.integers(0, 3))
+def test_prompt_lookup_equals_brute_force(tokens, k, min_n, extra):
+    # A 4-token alphabet: suffixes recur often, at several lengths and places.
+    assert propose_ngram(tokens, k, min_n, min_n + extra) == lookup_by_brute_force(tokens, k, min_n, min_n + extra)
 
 
 @pytest.mark.parametrize("bad,field", [

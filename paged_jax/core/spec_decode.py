@@ -123,21 +123,29 @@ def propose_ngram(token_ids, k: int, min_n: int, max_n: int) -> list[int]:
     Args:
       token_ids: the request's tokens so far (prompt and output), a sequence of ints.
       k: the most tokens to propose (<= 0: none).
-      min_n, max_n: the suffix lengths tried, longest first.
+      min_n, max_n: the suffix lengths considered; the longest that occurs earlier wins.
     """
     tokens = np.asarray(token_ids, np.int64)
     num = tokens.shape[0]
     if k <= 0 or num < min_n + 1:
         return []
-    for n in range(min(max_n, num - 1), min_n - 1, -1):
-        suffix = tokens[num - n:]
-        # Occurrences ending before the last token: windows starting at 0 .. num - n - 1.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: num - 1], n)
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
-        if starts.size:
-            follow = int(starts[-1]) + n  # the latest occurrence; what followed it
-            return tokens[follow : follow + k].tolist()
-    return []
+    # Ends of the earlier occurrences of the last n tokens, n = 1, 2, ...: each longer suffix
+    # keeps the ends whose token n - 1 places back matches too (one pass over the sequence,
+    # then a few over the surviving ends, instead of a pass over every window per n).
+    ends = np.flatnonzero(tokens[: num - 1] == tokens[num - 1])  # occurrences end before the last token
+    best = None
+    for n in range(1, min(max_n, num - 1) + 1):
+        if n > 1:
+            ends = ends[ends >= n - 1]
+            ends = ends[tokens[ends - (n - 1)] == tokens[num - n]]
+        if not ends.size:
+            break
+        if n >= min_n:
+            best = ends
+    if best is None:
+        return []
+    follow = int(best[-1]) + 1  # the latest occurrence of the longest suffix; what followed it
+    return tokens[follow : follow + k].tolist()
 
 
 @dataclass
