@@ -90,6 +90,9 @@ def test_bad_speculative_config_names_the_field(bad, field):
 def test_speculative_config_from_the_command_line_json():
     config = EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 5}')
     assert config.spec_config == SpeculativeConfig("ngram", 5, 1, 4)
+    config = EngineConfig(speculative_config='{"method": "ngram", "disable_by_batch_size": 8}')
+    assert config.spec_config.disable_by_batch_size == 8 and not config.spec_config.enabled_for(8)
+    assert config.spec_config.enabled_for(7) and EngineConfig(speculative_config=NGRAM).spec_config.enabled_for(10**6)
     assert hash(EngineConfig(speculative_config=NGRAM)) == hash(EngineConfig(speculative_config=dict(NGRAM)))
 
 
