@@ -109,9 +109,9 @@ def main(argv=None) -> int:
     settings = dict(model=MODEL, max_model_len=1024, max_num_seqs=16, max_num_batched_tokens=512, num_blocks=2048,
                     warm_up="full", weight_dtype=args.weight_dtype,
                     activation_dtype=args.activation_dtype)
+    args.disable_by_batch_size = args.disable_by_batch_size or None  # 0: always propose
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup_min,
-            "prompt_lookup_max": args.lookup_max,
-            "disable_by_batch_size": args.disable_by_batch_size or None}
+            "prompt_lookup_max": args.lookup_max, "disable_by_batch_size": args.disable_by_batch_size}
     base = LLM(**settings).engine
     engines = {"plain": base,
                "ngram": LLMEngine(EngineConfig(**settings, speculative_config=spec), model=base.model,
