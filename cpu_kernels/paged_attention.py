@@ -15,7 +15,6 @@ choose it with `usable` and lax.platform_dependent.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,6 @@ from cpu_kernels import native
 
 __all__ = ["decode_attention", "native_available", "usable"]
 
-_SOURCE = os.path.join(os.path.dirname(__file__), "paged_attention.cc")
 _PREFIX = "pj_paged_decode_attention"
 _SUFFIXES = {"float32": "f32", "bfloat16": "bf16"}  # cache dtype -> handler symbol suffix
 
@@ -33,7 +31,7 @@ _SUFFIXES = {"float32": "f32", "bfloat16": "bf16"}  # cache dtype -> handler sym
 def build_and_register(extra_flags=(), prefix: str = _PREFIX) -> bool:
     """Builds paged_attention.cc (cpu_kernels/native.py) with extra_flags and registers its
     handlers with XLA as prefix_<f32|bf16>. False (with a warning) when it cannot be built."""
-    path = native.build(_SOURCE, extra_flags)
+    path = native.build(extra_flags)
     if path is None:
         return False
     native.register(path, {f"{prefix}_{suffix}": f"{_PREFIX}_{suffix}" for suffix in _SUFFIXES.values()})

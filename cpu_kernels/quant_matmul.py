@@ -39,7 +39,6 @@ Activations (ACTIVATIONS):
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -58,7 +57,6 @@ TILE_ROWS = 16
 ACTIVATIONS = ("float32", "int8")
 _LOADS = {"q8_0": 8, "q4_1": 4}  # 64-byte loads of a tile block's values
 _HEADER = {"q8_0": 32, "q4_1": 64}  # bytes of f16 d[16] (and m[16]) before them
-_SOURCE = os.path.join(os.path.dirname(__file__), "quant_matmul.cc")
 _TARGET = "pj_quant_matmul"
 MAX_GROUP = 4  # weights one quant_matmul_group call takes (quant_matmul.cc kMaxParts)
 
@@ -258,7 +256,7 @@ def _targets(fmt: str, activations: str, prefix: str = _TARGET) -> str:
 def build_and_register(extra_flags=(), prefix: str = _TARGET) -> bool:
     """Builds quant_matmul.cc (cpu_kernels/native.py) with extra_flags and registers its
     handlers with XLA as prefix_<format>[_i8]. False (with a warning) when it cannot be built."""
-    path = native.build(_SOURCE, extra_flags)
+    path = native.build(extra_flags)
     if path is None:
         return False
     native.register(path, {_targets(fmt, acts, prefix): _targets(fmt, acts)

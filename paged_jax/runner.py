@@ -37,11 +37,15 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from cpu_kernels import decoder_layer
 from paged_jax.attention import bind_layer, make_attention_backend
+from paged_jax.attention.backend import XlaAttention
+from paged_jax.attention.xla import token_rows
 from paged_jax.compile_manager import CompileManager
 from paged_jax.core.batch import pad_step_inputs
 from paged_jax.core.step_inputs import (LogitsProcessingMetadata, ModelInputs, SamplingMetadata, SpecDecodeMetadata,
@@ -52,6 +56,7 @@ from paged_jax.rejection_sampler import rejection_sample
 from paged_jax.sampler import sample
 from paged_jax.sharding import (TP_AXIS, ShardedAttention, cache_shardings, check_tensor_parallel, local_value,
                                 put_replicated, replicated, shard_params, step_fingerprint)
+from pallas_kernels.ragged_batch import ragged_batch
 
 
 def _default_layers_per_program(num_layers: int) -> int:
@@ -141,6 +146,11 @@ class ModelRunner:
                                        for a in self.attention_backends]
         self.attention = self.attention_backends[0]  # the first group's (the only one's, for most models)
         self.attention_impl = self.attention.name
+        # Whether small buckets may run a layer as one native call (cpu_kernels/decoder_layer.py):
+        # one CPU device, the XLA attention of float caches (what that kernel's attention is).
+        self._native_layers = (mesh is None and jax.default_backend() == "cpu"
+                               and all(type(a) is XlaAttention for a in self.attention_backends)
+                               and decoder_layer.native_available())
         layers_per_program = engine.layers_per_program
         if layers_per_program is None:
             layers_per_program = _default_layers_per_program(num_layers)
@@ -262,10 +272,20 @@ class ModelRunner:
         new_caches = list(kv_caches)
         graphdefs, kv_groups, cache_ids, _ = kind if kind is not None else self._group_graphdefs[0]
         views = {g: attn_metadata.for_group(g) for g in set(kv_groups)}
+        # A small bucket on the CPU: a layer that can be one native call is one (decoder_layer.py).
+        rows = None
+        if self._native_layers and x.shape[0] <= decoder_layer.MAX_TOKENS:
+            rows = {g: token_rows(view.block_tables, ragged_batch(view.seq_lens, view.query_start_loc,
+                                                                  jnp.reshape(view.num_seqs, ())), x.shape[0])
+                    for g, view in views.items()}
         for i, (graphdef, group, params, c) in enumerate(zip(graphdefs, kv_groups, layer_params, cache_ids)):
             layer = nnx.merge(graphdef, params)
-            attention = bind_layer(self.attention_backends[group], layer_inputs, i)
-            x, new_caches[c] = layer(x, positions, new_caches[c], views[group], attention)
+            native_call = getattr(layer, "native_call", None) if rows is not None else None
+            out = native_call and native_call(x, positions, new_caches[c], views[group], rows[group])
+            if out is None:
+                attention = bind_layer(self.attention_backends[group], layer_inputs, i)
+                out = layer(x, positions, new_caches[c], views[group], attention)
+            x, new_caches[c] = out
         return x, new_caches
 
     def _head_fn(self, head_params, x, inputs: StepInputs, processing: LogitsProcessingMetadata | None = None):

@@ -30,8 +30,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from cpu_kernels import decoder_layer
+from cpu_kernels.quant_matmul import TILED
 from models.kv_cache_spec import KVCacheSpec, attention_spec
-from models.packed_weight import linear, linear_group
+from models.packed_weight import PackedWeight, linear, linear_group
 from models.layers import (MASK_VALUE, MLP, CausalLM, PreNormBlock, RMSNorm, apply_rope, causal_mask, normal_param,
                            rope_inv_freq)
 from models.llama.config import LlamaConfig
@@ -152,6 +154,36 @@ class DecoderLayer(PreNormBlock):
                                                 param_dtype=c.param_dtype, dtype=c.dtype)
         self.mlp = mlp if mlp is not None else MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype,
                                                    dtype=c.dtype, rngs=rngs)
+
+    def native_call(self, x, positions, kv_cache, attn_metadata, rows):
+        """The layer as one native call (cpu_kernels/decoder_layer.py) where it can be one, else
+        None (the caller runs it as usual): a plain Llama layer (a family that changes its
+        attention, MLP or norms keeps its own path), f32 compute, packed weights whose tiled
+        ones share one activations mode, a float (k_cache, v_cache). rows: the step's token
+        rows (paged_jax/attention/xla.py token_rows). Returns (x [T, D], kv_cache) as __call__."""
+        attn, mlp = self.self_attn, self.mlp
+        c = getattr(attn, "config", None)
+        if (type(attn) is not Attention or type(mlp) is not MLP or mlp.activation != "silu"
+                or type(self.input_layernorm) is not RMSNorm or type(self.post_attention_layernorm) is not RMSNorm
+                or jnp.dtype(c.dtype) != jnp.float32 or not isinstance(kv_cache, tuple) or len(kv_cache) != 2):
+            return None
+        packed = [p.get_value() for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
+                                          mlp.up_proj, mlp.down_proj)]
+        if not all(isinstance(w, PackedWeight) for w in packed):
+            return None
+        activations = {w.activations for w in packed if w.format in TILED} or {"float32"}
+        weights = decoder_layer.LayerWeights(self.input_layernorm.weight[...], *(decoder_layer.Weight(
+            w.data, w.format) for w in packed[:4]), self.post_attention_layernorm.weight[...],
+            *(decoder_layer.Weight(w.data, w.format) for w in packed[4:]))
+        if len(activations) != 1 or not decoder_layer.usable(weights, kv_cache[0], *activations):
+            return None
+        angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(
+            rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))  # [T, H/2]
+        out, k_cache, v_cache = decoder_layer.decoder_layer(
+            x, weights, jnp.cos(angles), jnp.sin(angles), *kv_cache, attn_metadata.slot_mapping, rows,
+            eps=self.input_layernorm.eps, sm_scale=attn.sm_scale, num_heads=c.num_heads,
+            intermediate_size=c.intermediate_size, sliding_window=attn.sliding_window, activations=activations.pop())
+        return out.astype(x.dtype), (k_cache, v_cache)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -1,0 +1,368 @@
+// One Llama decoder layer of a small batch of tokens as one native call on the CPU
+// (cpu_kernels/decoder_layer.py is the entry and holds the jnp reference):
+//
+//   n1  = rmsnorm(x) * w_in
+//   q, k, v = n1 @ Wq, n1 @ Wk, n1 @ Wv; q, k rotated by RoPE (cos, sin given per token)
+//   k, v written into the paged cache at slot_mapping
+//   a   = attention of every token as a decode row of its own (paged_attention.h: its keys
+//         through its table, seq_lens[t] of them, over the cache just written)
+//   h   = x + a @ Wo
+//   n2  = rmsnorm(h) * w_post
+//   out = h + (silu(n2 @ Wg) * (n2 @ Wu)) @ Wd
+//
+// The matmuls are quant_matmul.h's (weights in q8_0 / q4_1 tiles or bf16 rows, activations
+// f32 or quantized to int8 per block), the attention paged_attention.h's (f32 or bf16 caches).
+//
+// Why one call: as XLA thunks a decode layer is ~20 small programs' worth of fused ops plus
+// five native calls, and each native call hands its work to a helper of XLA's pool, which
+// wakes up, works, and goes back to sleep; on a 2-core machine those hand-offs and the
+// thunks' fixed costs were about half of a single-stream decode step (docs/BENCHMARKS.md,
+// section 18). Here the helpers are handed the layer once and stay in it: each phase (the
+// four matmuls and the attention) is a list of chunks taken from an atomic counter, the
+// thread that finishes a phase's last chunk does the small serial work that follows (norm,
+// RoPE and the KV write, SwiGLU, preparing the next matmul's x) and opens the next phase,
+// and a helper with nothing to do waits for it spinning, only inside the call. The calling
+// thread can do every phase alone, so a helper that starts late, or never, costs only time.
+
+#include "paged_attention.h"
+#include "quant_matmul.h"
+#include "thread_team.h"
+
+namespace {
+
+enum Phase { kQKV = 0, kAttend = 1, kOut = 2, kGateUp = 3, kDown = 4, kDone = 5 };
+
+// One matmul of the layer (a Work of quant_matmul.h, and the loops of its weights' format).
+struct Matmul {
+  Work work;
+  bool (*run)(Work&) = nullptr;
+  void (*prepare)(Work&) = nullptr;  // x's side inputs (none for bf16 rows)
+};
+
+template <int kFormat, int kActs>
+bool run_matmul(Work& wk) {
+  return run_chunks<kFormat, kActs>(wk);
+}
+template <int kActs>
+void prepare_matmul(Work& wk) {
+  prepare_x<kActs>(wk);
+}
+
+struct WeightArg {
+  const uint8_t* data;
+  int64_t rows, bytes;  // the u8 array's shape
+  float* y;             // where its outputs go, [m, n]
+  int64_t n;            // its outputs
+};
+
+// Sets mm up for x [m, k] times the weights of one format; false when a weight's bytes do not
+// fit its n and k.
+bool set_up(Matmul& mm, int format, int acts, const float* x, int64_t m, int64_t k, const WeightArg* ws, int num) {
+  if (format == kBF16) acts = kF32;
+  switch (format * 2 + acts) {
+    case kQ8_0 * 2 + kF32: mm.run = run_matmul<kQ8_0, kF32>; break;
+    case kQ8_0 * 2 + kI8: mm.run = run_matmul<kQ8_0, kI8>; break;
+    case kQ4_1 * 2 + kF32: mm.run = run_matmul<kQ4_1, kF32>; break;
+    case kQ4_1 * 2 + kI8: mm.run = run_matmul<kQ4_1, kI8>; break;
+    case kBF16 * 2 + kF32: mm.run = run_matmul<kBF16, kF32>; break;
+    default: return false;
+  }
+  mm.prepare = format == kBF16 ? nullptr : acts == kI8 ? prepare_matmul<kI8> : prepare_matmul<kF32>;
+  Work& wk = mm.work;
+  wk.x = x;
+  wk.m = m;
+  wk.k = k;
+  wk.num_parts = num;
+  int64_t chunks = 0;
+  for (int p = 0; p < num; ++p) {
+    const WeightArg& w = ws[p];
+    const int64_t num_tiles = format == kBF16 ? (w.n + kTile - 1) / kTile : w.rows;
+    if (format == kBF16 ? (w.rows != w.n || w.bytes != 2 * k)
+                        : (w.bytes != tile_bytes(format, k) || num_tiles != (w.n + kTile - 1) / kTile))
+      return false;
+    wk.parts[p] = Part{w.data, w.y, w.n, num_tiles, chunks};
+    chunks += (num_tiles + kChunkTiles - 1) / kChunkTiles;
+  }
+  wk.num_chunks = chunks;
+  return true;
+}
+
+inline float bf16_round(float f) {  // f32 -> bf16 -> f32, round half to even (XLA's convert)
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7f800000u) == 0x7f800000u) return f;  // inf / nan pass
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline void store(float* dst, float v) { *dst = v; }
+inline void store(uint16_t* dst, float v) {
+  const float r = bf16_round(v);
+  uint32_t bits;
+  std::memcpy(&bits, &r, 4);
+  *dst = uint16_t(bits >> 16);
+}
+
+// out[i] = x[i] / rms(x) * w[i] over d elements (the mean square accumulated in f32).
+inline void rms_norm(const float* x, const float* w, float eps, int64_t d, float* out) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < d; ++i) ss += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(ss / float(d) + eps);
+#pragma omp simd
+  for (int64_t i = 0; i < d; ++i) out[i] = (x[i] * r) * w[i];
+}
+
+template <typename KV>
+struct Layer {
+  // inputs (XLA's buffers; the caches are the aliased results)
+  const float *x, *cos, *sin, *w_in, *w_post;
+  const int32_t* slots;
+  KV *k_cache, *v_cache;
+  float* out;
+  int64_t t, d, hq, hkv, dim, f;
+  float eps;
+  // the phases' work
+  Matmul qkv, o, gate_up, down;
+  Job<KV> attend;
+  int64_t num_tasks = 0;
+  std::vector<float> n, q, k, v, a, h, g, u, act, dn;  // scratch: norms, projections, ...
+  std::atomic<int> phase{-1};
+};
+
+// rope on the heads of one token: x1 = head[:H/2], x2 = head[H/2:] (rotate_half layout).
+inline void rope(float* heads, int64_t num_heads, int64_t dim, const float* c, const float* s) {
+  const int64_t half = dim / 2;
+  for (int64_t j = 0; j < num_heads; ++j) {
+    float* x = heads + j * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = x[i], x2 = x[half + i];
+      x[i] = x1 * c[i] - x2 * s[i];
+      x[half + i] = x2 * c[i] + x1 * s[i];
+    }
+  }
+}
+
+template <typename KV>
+void open(Layer<KV>& L, int p);
+
+// The serial work after phase p (done by the thread that finished p's last chunk), then p + 1.
+template <typename KV>
+void finish(Layer<KV>& L, int p) {
+  const int64_t t_num = L.t, d = L.d, dim = L.dim, half = dim / 2;
+  constexpr bool kBF16Cache = std::is_same_v<KV, uint16_t>;
+  switch (p) {
+    case kQKV: {
+      const int64_t kv_width = L.hkv * dim;
+      for (int64_t t = 0; t < t_num; ++t) {
+        rope(&L.q[t * L.hq * dim], L.hq, dim, L.cos + t * half, L.sin + t * half);
+        rope(&L.k[t * kv_width], L.hkv, dim, L.cos + t * half, L.sin + t * half);
+        const int64_t slot = L.slots[t];
+        for (int64_t i = 0; i < kv_width; ++i) {
+          store(L.k_cache + slot * kv_width + i, L.k[t * kv_width + i]);
+          store(L.v_cache + slot * kv_width + i, L.v[t * kv_width + i]);
+        }
+        if (kBF16Cache)  // the XLA path casts q to the cache dtype before attending
+          for (int64_t i = 0; i < L.hq * dim; ++i) L.q[t * L.hq * dim + i] = bf16_round(L.q[t * L.hq * dim + i]);
+      }
+      break;
+    }
+    case kAttend:
+      if (kBF16Cache)  // ... and its output comes back in that dtype
+        for (float& e : L.a) e = bf16_round(e);
+      if (L.o.prepare) L.o.prepare(L.o.work);
+      break;
+    case kOut:
+      for (int64_t t = 0; t < t_num; ++t) {
+        for (int64_t i = 0; i < d; ++i) L.h[t * d + i] = L.x[t * d + i] + L.h[t * d + i];  // h held a @ Wo
+        rms_norm(&L.h[t * d], L.w_post, L.eps, d, &L.n[t * d]);
+      }
+      if (L.gate_up.prepare) L.gate_up.prepare(L.gate_up.work);
+      break;
+    case kGateUp: {
+      const int64_t total = t_num * L.f;
+      float* act = L.act.data();
+      const float *g = L.g.data(), *u = L.u.data();
+#pragma omp simd
+      for (int64_t i = 0; i < total; ++i) {
+        // silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1 (never overflows)
+        const float e = exp_nonpositive(-std::fabs(g[i]));
+        const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+        act[i] = g[i] * sig * u[i];
+      }
+      if (L.down.prepare) L.down.prepare(L.down.work);
+      break;
+    }
+    case kDown:
+      for (int64_t i = 0; i < t_num * d; ++i) L.out[i] = L.h[i] + L.dn[i];
+      break;
+  }
+  open(L, p + 1);
+}
+
+// Makes phase p the current one (one with no work is finished at once).
+template <typename KV>
+void open(Layer<KV>& L, int p) {
+  if (p == kAttend && L.num_tasks == 0) return finish(L, p);
+  L.phase.store(p, std::memory_order_release);
+}
+
+// This thread's share of phase p; true when it finished the phase's last chunk.
+template <typename KV>
+bool run_phase(Layer<KV>& L, int p) {
+  switch (p) {
+    case kQKV: return L.qkv.run(L.qkv.work);
+    case kOut: return L.o.run(L.o.work);
+    case kGateUp: return L.gate_up.run(L.gate_up.work);
+    case kDown: return L.down.run(L.down.work);
+    case kAttend: {
+      Job<KV>& job = L.attend;
+      std::vector<float> scores;
+      bool last = false;
+      for (int64_t i; (i = job.next.fetch_add(1)) < L.num_tasks;) {
+        run_any(job, job.seqs[i / job.hkv], i % job.hkv, scores);
+        last = job.done.fetch_add(1, std::memory_order_acq_rel) + 1 == L.num_tasks;
+      }
+      return last;
+    }
+  }
+  return false;
+}
+
+template <typename KV>
+void work(Layer<KV>& L) {
+  int seen = -1;  // the latest phase this thread took part in
+  for (;;) {
+    const int p = L.phase.load(std::memory_order_acquire);
+    if (p == kDone) return;
+    if (p <= seen) {
+      _mm_pause();
+      continue;
+    }
+    seen = p;
+    if (run_phase(L, p)) finish(L, p);
+  }
+}
+
+int64_t rows_of(const ffi::AnyBuffer& b) { return b.dimensions().size() == 2 ? b.dimensions()[0] : -1; }
+int64_t bytes_of(const ffi::AnyBuffer& b) { return b.dimensions().size() == 2 ? b.dimensions()[1] : -1; }
+const uint8_t* data_of(const ffi::AnyBuffer& b) { return reinterpret_cast<const uint8_t*>(b.untyped_data()); }
+
+template <ffi::DataType kKV>
+ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
+                         ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> w_in, ffi::Buffer<ffi::F32> w_post,
+                         ffi::AnyBuffer wq, ffi::AnyBuffer wk, ffi::AnyBuffer wv, ffi::AnyBuffer wo,
+                         ffi::AnyBuffer wg, ffi::AnyBuffer wu, ffi::AnyBuffer wd, ffi::Buffer<kKV>,
+                         ffi::Buffer<kKV>, ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::S32> block_tables,
+                         ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
+                         ffi::Buffer<ffi::S32> num_rows, float eps, float sm_scale, int32_t sliding_window,
+                         int32_t num_heads, int32_t intermediate_size, int32_t format_qkv, int32_t format_o,
+                         int32_t format_gate_up, int32_t format_down, int32_t activations,
+                         ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<kKV> k_out, ffi::ResultBuffer<kKV> v_out) {
+  using KV = std::conditional_t<kKV == ffi::DataType::F32, float, uint16_t>;
+  auto xd = x.dimensions();
+  auto kd = k_out->dimensions();
+  auto td = block_tables.dimensions();
+  if (xd.size() != 2 || kd.size() != 4 || td.size() != 2 || td[0] != xd[0] || num_heads % kd[2] ||
+      cos.dimensions().size() != 2 || cos.dimensions()[0] != xd[0] || 2 * cos.dimensions()[1] != kd[3] ||
+      w_in.element_count() != xd[1] || w_post.element_count() != xd[1] || slot_mapping.element_count() != xd[0])
+    return ffi::Error::InvalidArgument(
+        "x [T, D], cos / sin [T, H/2], norms [D], caches [blocks, block_size, Hkv, H], token rows [T, W] expected");
+  auto L = std::make_shared<Layer<KV>>();
+  const int64_t t = xd[0], d = xd[1], hkv = kd[2], dim = kd[3], hq = num_heads, f = intermediate_size;
+  L->x = x.typed_data();
+  L->cos = cos.typed_data();
+  L->sin = sin.typed_data();
+  L->w_in = w_in.typed_data();
+  L->w_post = w_post.typed_data();
+  L->slots = slot_mapping.typed_data();
+  L->k_cache = reinterpret_cast<KV*>(k_out->untyped_data());
+  L->v_cache = reinterpret_cast<KV*>(v_out->untyped_data());
+  L->out = out->typed_data();
+  L->t = t, L->d = d, L->hq = hq, L->hkv = hkv, L->dim = dim, L->f = f, L->eps = eps;
+  L->n.resize(t * d), L->q.resize(t * hq * dim), L->k.resize(t * hkv * dim), L->v.resize(t * hkv * dim);
+  L->a.assign(t * hq * dim, 0.0f), L->h.resize(t * d), L->g.resize(t * f), L->u.resize(t * f);
+  L->act.resize(t * f), L->dn.resize(t * d);
+  const WeightArg qkv[3] = {{data_of(wq), rows_of(wq), bytes_of(wq), L->q.data(), hq * dim},
+                            {data_of(wk), rows_of(wk), bytes_of(wk), L->k.data(), hkv * dim},
+                            {data_of(wv), rows_of(wv), bytes_of(wv), L->v.data(), hkv * dim}};
+  const WeightArg o[1] = {{data_of(wo), rows_of(wo), bytes_of(wo), L->h.data(), d}};
+  const WeightArg gate_up[2] = {{data_of(wg), rows_of(wg), bytes_of(wg), L->g.data(), f},
+                                {data_of(wu), rows_of(wu), bytes_of(wu), L->u.data(), f}};
+  const WeightArg down[1] = {{data_of(wd), rows_of(wd), bytes_of(wd), L->dn.data(), d}};
+  if (!set_up(L->qkv, format_qkv, activations, L->n.data(), t, d, qkv, 3) ||
+      !set_up(L->o, format_o, activations, L->a.data(), t, hq * dim, o, 1) ||
+      !set_up(L->gate_up, format_gate_up, activations, L->n.data(), t, d, gate_up, 2) ||
+      !set_up(L->down, format_down, activations, L->act.data(), t, f, down, 1))
+    return ffi::Error::InvalidArgument("a weight's bytes do not fit its format and the layer's sizes");
+  if (d % kBlock || (hq * dim) % kBlock || f % kBlock)
+    return ffi::Error::InvalidArgument("the layer's matmul inputs must be multiples of 32");
+  Job<KV>& job = L->attend;
+  job.q = L->q.data();
+  job.k = L->k_cache;
+  job.v = L->v_cache;
+  job.tables = block_tables.typed_data();
+  job.seq_lens = seq_lens.typed_data();
+  job.qsl = query_start_loc.typed_data();
+  job.out = L->a.data();
+  job.width = td[1];
+  job.block_size = kd[1];
+  job.hkv = hkv;
+  job.group = hq / hkv;
+  job.dim = dim;
+  job.scale = sm_scale;
+  job.window = std::max<int32_t>(sliding_window, 0);
+  const int64_t rows = std::min<int64_t>(num_rows.typed_data()[0], t);
+  for (int64_t s = 0; s < rows; ++s)
+    if (job.qsl[s + 1] - job.qsl[s] == 1 && job.qsl[s] < t && job.seq_lens[s] > 0) job.seqs.push_back(s);
+  L->num_tasks = int64_t(job.seqs.size()) * hkv;
+  auto& team = paged_jax::thread_team();
+  team.post([L] { work(*L); }, team.num_helpers());
+  for (int64_t i = 0; i < t; ++i) rms_norm(L->x + i * d, L->w_in, eps, d, &L->n[i * d]);
+  if (L->qkv.prepare) L->qkv.prepare(L->qkv.work);
+  open(*L, kQKV);
+  work(*L);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define PJ_DEFINE_LAYER(name, kv)                                                 \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, decoder_layer<kv>,                          \
+                                ffi::Ffi::Bind()                                  \
+                                    .Arg<ffi::Buffer<ffi::F32>>()   /* x */       \
+                                    .Arg<ffi::Buffer<ffi::F32>>()   /* cos */     \
+                                    .Arg<ffi::Buffer<ffi::F32>>()   /* sin */     \
+                                    .Arg<ffi::Buffer<ffi::F32>>()   /* w_in */    \
+                                    .Arg<ffi::Buffer<ffi::F32>>()   /* w_post */  \
+                                    .Arg<ffi::AnyBuffer>()          /* wq */      \
+                                    .Arg<ffi::AnyBuffer>()          /* wk */      \
+                                    .Arg<ffi::AnyBuffer>()          /* wv */      \
+                                    .Arg<ffi::AnyBuffer>()          /* wo */      \
+                                    .Arg<ffi::AnyBuffer>()          /* wg */      \
+                                    .Arg<ffi::AnyBuffer>()          /* wu */      \
+                                    .Arg<ffi::AnyBuffer>()          /* wd */      \
+                                    .Arg<ffi::Buffer<kv>>()         /* k_cache */ \
+                                    .Arg<ffi::Buffer<kv>>()         /* v_cache */ \
+                                    .Arg<ffi::Buffer<ffi::S32>>()   /* slots */   \
+                                    .Arg<ffi::Buffer<ffi::S32>>()   /* tables */  \
+                                    .Arg<ffi::Buffer<ffi::S32>>()   /* lens */    \
+                                    .Arg<ffi::Buffer<ffi::S32>>()   /* qsl */     \
+                                    .Arg<ffi::Buffer<ffi::S32>>()   /* num_rows */\
+                                    .Attr<float>("eps")                           \
+                                    .Attr<float>("sm_scale")                      \
+                                    .Attr<int32_t>("sliding_window")              \
+                                    .Attr<int32_t>("num_heads")                   \
+                                    .Attr<int32_t>("intermediate_size")           \
+                                    .Attr<int32_t>("format_qkv")                  \
+                                    .Attr<int32_t>("format_o")                    \
+                                    .Attr<int32_t>("format_gate_up")              \
+                                    .Attr<int32_t>("format_down")                 \
+                                    .Attr<int32_t>("activations")                 \
+                                    .Ret<ffi::Buffer<ffi::F32>>()                 \
+                                    .Ret<ffi::Buffer<kv>>()                       \
+                                    .Ret<ffi::Buffer<kv>>());
+
+PJ_DEFINE_LAYER(pj_decoder_layer_f32, ffi::DataType::F32)
+PJ_DEFINE_LAYER(pj_decoder_layer_bf16, ffi::DataType::BF16)

@@ -1,0 +1,313 @@
+// Paged attention of decoding sequences (one query token each) on the CPU: each (sequence,
+// KV head) reads its pages straight from the cache through its block table, its live keys
+// only, in one pass over K (scores of the KV head's query heads) and one over V, with no
+// gathered copy of a page (cpu_kernels/paged_attention.py is the entry; the XLA path of
+// paged_jax/attention/xla.py is its reference).
+//
+// Inputs: q f32[T, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (f32 or bf16);
+// block_tables i32[S, W]; seq_lens i32[S]; query_start_loc i32[S + 1]; num_seqs i32[1];
+// attributes sm_scale and sliding_window (i32; 0 means none: the token at position
+// seq_len - 1 sees every key, else keys seq_len - sliding_window .. seq_len - 1 only, and the
+// key loops start there, so pages wholly before the window are never read). Output
+// f32[T, Hq, D]: the attention of every token of a sequence with exactly one query token;
+// every other row (prefill chunks, padding) is zero. Query head j reads KV head j / (Hq / Hkv).
+//
+// (sequence, KV head) tasks are split over XLA's intra-op thread pool from an atomic counter;
+// the calling thread works too.
+//
+// The kernel itself, shared by paged_attention.cc (the attention's own handler) and decoder_layer.cc.
+
+#ifndef PAGED_JAX_PAGED_ATTENTION_H_
+#define PAGED_JAX_PAGED_ATTENTION_H_
+
+#include <immintrin.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+
+inline float to_f32(float x) { return x; }
+inline float to_f32(uint16_t bf16) {
+  uint32_t bits = uint32_t(bf16) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// exp(x) for x <= 0 (scores minus their max), vectorizable (no libm call): x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by its degree-6 Taylor polynomial (relative error < 2e-7, under f32's
+// rounding of the terms), times 2^n built in the exponent bits. Below -87 it is 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 split in two: r is exact
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// Each of `rows` rows of len scores becomes its softmax, in place.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* p = scores + g * len;
+    float m = p[0];
+    for (int64_t t = 1; t < len; ++t) m = std::max(m, p[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      p[t] = exp_nonpositive(p[t] - m);
+      sum += p[t];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t t = 0; t < len; ++t) p[t] *= inv;
+  }
+}
+
+template <typename KV>
+struct Job {
+  const float* q;
+  const KV* k;
+  const KV* v;
+  const int32_t* tables;
+  const int32_t* seq_lens;
+  const int32_t* qsl;
+  float* out;
+  int64_t width, block_size, hkv, group, dim;
+  float scale;
+  int64_t window;  // keys a query sees (itself included); 0: all
+  std::vector<int64_t> seqs;  // the decoding sequences
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+// First key the decoding query (at position seq_len - 1) sees.
+template <typename KV>
+inline int64_t first_key(const Job<KV>& job, int64_t len) {
+  return job.window > 0 ? std::max<int64_t>(0, len - job.window) : 0;
+}
+
+template <typename KV>
+void run_task(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
+  const int64_t row = job.qsl[seq], end = job.seq_lens[seq], g_num = job.group, dim = job.dim;
+  const int64_t hq = job.hkv * g_num;
+  const int64_t first = first_key(job, end), len = end - first;  // scores[g * len + i] is key first + i
+  const float* q = job.q + (row * hq + h * g_num) * dim;  // this KV head's query heads, back to back
+  const int32_t* table = job.tables + seq * job.width;
+  scores.resize(g_num * len);
+  for (int64_t t = first; t < end; ++t) {
+    const KV* key = job.k + ((int64_t(table[t / job.block_size]) * job.block_size + t % job.block_size) * job.hkv + h) * dim;
+    for (int64_t g = 0; g < g_num; ++g) {
+      const float* qg = q + g * dim;
+      float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < dim; ++d) s += qg[d] * to_f32(key[d]);
+      scores[g * len + t - first] = s * job.scale;
+    }
+  }
+  float* out = job.out + (row * hq + h * g_num) * dim;
+  softmax_rows(scores.data(), g_num, len);
+  std::fill(out, out + g_num * dim, 0.0f);
+  for (int64_t t = first; t < end; ++t) {
+    const KV* value = job.v + ((int64_t(table[t / job.block_size]) * job.block_size + t % job.block_size) * job.hkv + h) * dim;
+    for (int64_t g = 0; g < g_num; ++g) {
+      const float p = scores[g * len + t - first];
+      float* o = out + g * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] += p * to_f32(value[d]);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// run_task with kG query heads per KV head and head_dim 16 * kC held in registers (the
+// generic loops' per-key loop set-up cost more than their arithmetic at head_dim 64).
+template <typename KV, int kG, int kC>
+void run_task_avx512(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
+  const int64_t row = job.qsl[seq], end = job.seq_lens[seq], bs = job.block_size;
+  const int64_t hq = job.hkv * kG, dim = 16 * kC;
+  const int64_t first = first_key(job, end), len = end - first;  // scores[g * len + i] is key first + i
+  const float* q = job.q + (row * hq + h * kG) * dim;
+  const int32_t* table = job.tables + seq * job.width;
+  scores.resize(kG * len);
+  __m512 qv[kG][kC];
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim + 16 * c), _mm512_set1_ps(job.scale));
+  for (int64_t t = first; t < end; ++t) {
+    const KV* key = job.k + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
+    __m512 kv[kC];
+    for (int c = 0; c < kC; ++c) kv[c] = load16(key + 16 * c);
+    for (int g = 0; g < kG; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < kC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+      scores[g * len + t - first] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  softmax_rows(scores.data(), kG, len);
+  __m512 o[kG][kC];
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) o[g][c] = _mm512_setzero_ps();
+  for (int64_t t = first; t < end; ++t) {
+    const KV* value = job.v + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
+    __m512 vv[kC];
+    for (int c = 0; c < kC; ++c) vv[c] = load16(value + 16 * c);
+    for (int g = 0; g < kG; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t - first]);
+      for (int c = 0; c < kC; ++c) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
+    }
+  }
+  float* out = job.out + (row * hq + h * kG) * dim;
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(out + g * dim + 16 * c, o[g][c]);
+}
+
+template <typename KV, int kC>
+bool dispatch_group(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
+  switch (job.group) {
+    case 1: run_task_avx512<KV, 1, kC>(job, seq, h, scores); return true;
+    case 2: run_task_avx512<KV, 2, kC>(job, seq, h, scores); return true;
+    case 3: run_task_avx512<KV, 3, kC>(job, seq, h, scores); return true;
+    case 4: run_task_avx512<KV, 4, kC>(job, seq, h, scores); return true;
+    case 5: run_task_avx512<KV, 5, kC>(job, seq, h, scores); return true;
+    case 6: run_task_avx512<KV, 6, kC>(job, seq, h, scores); return true;
+    case 7: run_task_avx512<KV, 7, kC>(job, seq, h, scores); return true;
+    case 8: run_task_avx512<KV, 8, kC>(job, seq, h, scores); return true;
+    default: return false;
+  }
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// f(i, key_or_value) for the keys first .. end - 1 of a (sequence, KV head), a page at a time
+// (one division per page, not per key).
+template <typename KV, typename F>
+inline void for_each_slot(const Job<KV>& job, const KV* cache, const int32_t* table, int64_t h, int64_t first,
+                          int64_t end, F f) {
+  const int64_t bs = job.block_size, stride = job.hkv * job.dim;
+  for (int64_t t = first; t < end;) {
+    const int64_t off = t % bs, n = std::min(bs - off, end - t);
+    const KV* slot = cache + ((int64_t(table[t / bs]) * bs + off) * job.hkv + h) * job.dim;
+    for (int64_t i = 0; i < n; ++i, slot += stride) f(t - first + i, slot);
+    t += n;
+  }
+}
+
+// run_task on AVX2 (8 floats a register) with kG query heads per KV head and head_dim 8 * kC:
+// the scores of a key from the key held in registers, then the values kP registers of each
+// query head's output at a time (kG * kP accumulators fit the 16 registers).
+template <typename KV, int kG, int kC>
+void run_task_avx2(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
+  constexpr int kP = kG <= 3 ? 4 : kG <= 6 ? 2 : 1;
+  static_assert(kC % kP == 0, "kP columns divide the head");
+  const int64_t row = job.qsl[seq], end = job.seq_lens[seq], dim = 8 * kC, hq = job.hkv * kG;
+  const int64_t first = first_key(job, end), len = end - first;  // scores[g * len + i] is key first + i
+  const float* q = job.q + (row * hq + h * kG) * dim;
+  const int32_t* table = job.tables + seq * job.width;
+  scores.resize(kG * len);
+  float* s = scores.data();
+  alignas(32) float qs[kG * 8 * kC];  // the query heads, scaled
+  for (int64_t j = 0; j < kG * dim; ++j) qs[j] = q[j] * job.scale;
+  for_each_slot(job, job.k, table, h, first, end, [&](int64_t i, const KV* key) {
+    __m256 kv[kC];
+    for (int c = 0; c < kC; ++c) kv[c] = load8(key + 8 * c);
+    for (int g = 0; g < kG; ++g) {
+      __m256 a0 = _mm256_mul_ps(_mm256_load_ps(qs + g * dim), kv[0]), a1 = _mm256_setzero_ps();
+      for (int c = 1; c < kC; ++c) {
+        const __m256 t = _mm256_load_ps(qs + g * dim + 8 * c);
+        if (c & 1) a1 = _mm256_fmadd_ps(t, kv[c], a1); else a0 = _mm256_fmadd_ps(t, kv[c], a0);
+      }
+      s[g * len + i] = hsum8(_mm256_add_ps(a0, a1));
+    }
+  });
+  softmax_rows(s, kG, len);
+  float* out = job.out + (row * hq + h * kG) * dim;
+  for (int c0 = 0; c0 < kC; c0 += kP) {
+    __m256 o[kG][kP];
+    for (int g = 0; g < kG; ++g)
+      for (int c = 0; c < kP; ++c) o[g][c] = _mm256_setzero_ps();
+    for_each_slot(job, job.v, table, h, first, end, [&](int64_t i, const KV* value) {
+      __m256 vv[kP];
+      for (int c = 0; c < kP; ++c) vv[c] = load8(value + 8 * (c0 + c));
+      for (int g = 0; g < kG; ++g) {
+        const __m256 p = _mm256_set1_ps(s[g * len + i]);
+        for (int c = 0; c < kP; ++c) o[g][c] = _mm256_fmadd_ps(p, vv[c], o[g][c]);
+      }
+    });
+    for (int g = 0; g < kG; ++g)
+      for (int c = 0; c < kP; ++c) _mm256_storeu_ps(out + g * dim + 8 * (c0 + c), o[g][c]);
+  }
+}
+
+template <typename KV, int kC>
+bool dispatch_group_avx2(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
+  switch (job.group) {
+    case 1: run_task_avx2<KV, 1, kC>(job, seq, h, scores); return true;
+    case 2: run_task_avx2<KV, 2, kC>(job, seq, h, scores); return true;
+    case 3: run_task_avx2<KV, 3, kC>(job, seq, h, scores); return true;
+    case 4: run_task_avx2<KV, 4, kC>(job, seq, h, scores); return true;
+    case 5: run_task_avx2<KV, 5, kC>(job, seq, h, scores); return true;
+    case 6: run_task_avx2<KV, 6, kC>(job, seq, h, scores); return true;
+    case 7: run_task_avx2<KV, 7, kC>(job, seq, h, scores); return true;
+    case 8: run_task_avx2<KV, 8, kC>(job, seq, h, scores); return true;
+    default: return false;
+  }
+}
+#endif
+
+// The task on the fastest loops this build has for its shape.
+template <typename KV>
+void run_any(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
+#if defined(__AVX512F__)
+  if (job.dim == 64 && dispatch_group<KV, 4>(job, seq, h, scores)) return;
+  if (job.dim == 128 && dispatch_group<KV, 8>(job, seq, h, scores)) return;
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (job.dim == 64 && dispatch_group_avx2<KV, 8>(job, seq, h, scores)) return;
+  if (job.dim == 128 && dispatch_group_avx2<KV, 16>(job, seq, h, scores)) return;
+#endif
+  run_task(job, seq, h, scores);
+}
+
+template <typename KV>
+void run_tasks(Job<KV>& job) {
+  const int64_t num_tasks = int64_t(job.seqs.size()) * job.hkv;
+  std::vector<float> scores;
+  for (int64_t i; (i = job.next.fetch_add(1)) < num_tasks;) {
+    run_any(job, job.seqs[i / job.hkv], i % job.hkv, scores);
+    job.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+}  // namespace
+
+#endif  // PAGED_JAX_PAGED_ATTENTION_H_

@@ -1,0 +1,578 @@
+// y[M, N] = x[M, K] @ W[N, K]^T with W kept in a compact format and dequantized inside the
+// dot product, never as a whole f32 copy (cpu_kernels/quant_matmul.py is the public entry,
+// defines the layouts and holds the numpy reference).
+//
+// Layouts. bf16: one row of K u16 (bfloat16 bits) per output. q8_0 and q4_1 hold GGUF's block
+// values (32 inputs a block, an f16 scale d, q4_1 an f16 min m) rearranged in tiles of 16
+// output rows, so one 512-bit register holds the same inputs of 16 rows: data[t] is tile t
+// (rows 16t..16t+15), its K/32 tile blocks back to back; a tile block b, for lane i (row) and
+// byte u (0..3) of each 32-bit lane of its L-th 64-byte load:
+//   q8_0 (544 B): f16 d[16], then 8 loads:  byte = q[i][32b + 4L + u] ^ 0x80      (q + 128)
+//   q4_1 (320 B): f16 d[16], f16 m[16], then 4 loads: low nibble = q[i][32b + 4L + u],
+//                 high nibble = q[i][32b + 16 + 4L + u]                         (w = d q + m)
+//
+// Two kinds of activations:
+//   f32 (exact): every product is f32 of the dequantized value, so the result is the f32
+//     matmul of the dequantized weight up to summation order.
+//   i8 (llama.cpp's way): x is quantized per block of 32 to int8 with scale amax / 127 (round
+//     half to even), and each block's integer dot runs on AVX-512 VNNI (vpdpbusd: the weight's
+//     bytes are the unsigned operand, x's the signed one) or AVX2 (vpmaddubsw + vpmaddwd). Integer sums are exact; the only
+//     loss is x's rounding (docs/BENCHMARKS.md measures its quality).
+//
+// One call multiplies x by several weights of the same format and inputs (a layer's q, k and v,
+// or gate and up): x is prepared once, and the tiles of every weight are one list of work.
+// That list is split over XLA's intra-op thread pool; each task takes chunks of tiles from an
+// atomic counter and the calling thread works too, so no task ever waits for another.
+//
+// The kernel itself, shared by quant_matmul.cc (the matmul's own handler) and decoder_layer.cc.
+
+#ifndef PAGED_JAX_QUANT_MATMUL_H_
+#define PAGED_JAX_QUANT_MATMUL_H_
+
+#include <immintrin.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+
+constexpr int64_t kBlock = 32;      // inputs per q8_0 / q4_1 block
+constexpr int64_t kTile = 16;       // output rows per tile
+// x rows sharing one pass over a tile. The AVX-512 int8 loops keep 8 rows' accumulators in
+// registers (a verification step of 1 + k <= 8 tokens then reads each tile once); the f32 and
+// AVX2 loops need more registers per row.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr int kMaxRows = 8;
+#else
+constexpr int kMaxRows = 4;
+#endif
+constexpr int kMaxRowsF32 = 4;
+constexpr int64_t kChunkTiles = 2;  // tiles a task takes at once
+constexpr int kMaxParts = 4;        // weights one call takes
+
+enum Format { kQ8_0 = 0, kQ4_1 = 1, kBF16 = 2 };
+enum Acts { kF32 = 0, kI8 = 1 };
+
+constexpr int64_t tile_block_bytes(int format) { return format == kQ8_0 ? 544 : 320; }
+
+inline float f16_to_f32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// One weight of a call: n outputs in num_tiles tiles, its chunks numbered from first_chunk.
+struct Part {
+  const uint8_t* w;
+  float* y;
+  int64_t n, num_tiles, first_chunk;
+};
+
+struct Work {
+  const float* x;
+  int64_t m, k;
+  Part parts[kMaxParts];
+  int num_parts;
+  int64_t num_chunks;
+  std::unique_ptr<float[]> xsum;   // [m, k / 32] block sums of x (f32 activations)
+  std::unique_ptr<int8_t[]> xq;    // [m, k] x quantized (i8 activations)
+  std::unique_ptr<float[]> xd;     // [m, k / 32] its scales
+  std::unique_ptr<int32_t[]> xqs;  // [m, k / 32] sums of its quantized values
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+// out[i][lane] for r rows of x (rows i0..i0+r-1) and one tile's 16 outputs (`rows` of them
+// real: the last tile of a weight whose n is not a multiple of 16 has fewer).
+template <int kFormat, int kActs>
+void tile_dot(const Work& wk, const uint8_t* tile, int64_t rows, int64_t i0, int r, float (*out)[kTile]);
+
+// Portable version of every (format, activations) pair: each tile block is unpacked into
+// plain arrays first (the compiler vectorizes the loops for the machine it builds on).
+template <int kFormat>
+void unpack_block(const uint8_t* p, float* d, float* m, int32_t (*q)[kBlock]) {
+  for (int i = 0; i < kTile; ++i) {
+    d[i] = f16_to_f32(p + 2 * i);
+    m[i] = kFormat == kQ4_1 ? f16_to_f32(p + 32 + 2 * i) : 0.0f;
+  }
+  const uint8_t* qs = p + (kFormat == kQ8_0 ? 32 : 64);
+  const int loads = kFormat == kQ8_0 ? 8 : 4;
+  for (int L = 0; L < loads; ++L)
+    for (int i = 0; i < kTile; ++i)
+      for (int u = 0; u < 4; ++u) {
+        const uint8_t byte = qs[L * 64 + i * 4 + u];
+        if (kFormat == kQ8_0) {
+          q[i][4 * L + u] = int32_t(byte) - 128;
+        } else {
+          q[i][4 * L + u] = byte & 15;
+          q[i][16 + 4 * L + u] = byte >> 4;
+        }
+      }
+}
+
+template <int kFormat, int kActs>
+void tile_dot_portable(const Work& wk, const uint8_t* tile, int64_t i0, int r, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  float d[kTile], m[kTile];
+  int32_t q[kTile][kBlock];
+  for (int i = 0; i < r; ++i)
+    for (int l = 0; l < kTile; ++l) out[i][l] = 0.0f;
+  for (int64_t b = 0; b < nb; ++b) {
+    unpack_block<kFormat>(tile + b * tile_block_bytes(kFormat), d, m, q);
+    for (int i = 0; i < r; ++i) {
+      const int64_t row = i0 + i;
+      for (int l = 0; l < kTile; ++l) {
+        if (kActs == kF32) {
+          const float* xb = wk.x + row * wk.k + b * kBlock;
+          float t = 0.0f;
+          for (int j = 0; j < kBlock; ++j) t += float(q[l][j]) * xb[j];
+          out[i][l] += d[l] * t + m[l] * wk.xsum[row * nb + b];
+        } else {
+          const int8_t* xb = wk.xq.get() + row * wk.k + b * kBlock;
+          int32_t t = 0;
+          for (int j = 0; j < kBlock; ++j) t += q[l][j] * int32_t(xb[j]);
+          const float dx = wk.xd[row * nb + b];
+          out[i][l] += float(t) * (d[l] * dx) + m[l] * (dx * float(wk.xqs[row * nb + b]));
+        }
+      }
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512 load_f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+template <int r>
+void avx_q4_1_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m512i nibble = _mm512_set1_epi32(15);
+  __m512 acc[r];
+  for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = tile + b * 320;
+    const __m512 d = load_f16x16(p), m = load_f16x16(p + 32);
+    // Four chains a row (low / high nibbles, even / odd bytes) so FMAs do not wait on each other.
+    __m512 part[r][4];
+    for (int i = 0; i < r; ++i) part[i][0] = part[i][1] = part[i][2] = part[i][3] = _mm512_setzero_ps();
+    for (int L = 0; L < 4; ++L) {
+      const __m512i v = _mm512_loadu_si512(p + 64 + 64 * L);
+      for (int u = 0; u < 4; ++u) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * u), nibble));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v, 8 * u + 4), nibble));
+        for (int i = 0; i < r; ++i) {
+          const float* xb = wk.x + (i0 + i) * wk.k + b * kBlock;
+          part[i][u & 1] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[4 * L + u]), part[i][u & 1]);
+          part[i][2 + (u & 1)] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[16 + 4 * L + u]), part[i][2 + (u & 1)]);
+        }
+      }
+    }
+    for (int i = 0; i < r; ++i) {
+      const __m512 dot = _mm512_add_ps(_mm512_add_ps(part[i][0], part[i][1]), _mm512_add_ps(part[i][2], part[i][3]));
+      acc[i] = _mm512_fmadd_ps(dot, d, acc[i]);
+      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(wk.xsum[(i0 + i) * nb + b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < r; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+template <int r>
+void avx_q8_0_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+  __m512 acc[r];
+  for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = tile + b * 544;
+    const __m512 d = load_f16x16(p);
+    __m512 part[r][2];
+    for (int i = 0; i < r; ++i) part[i][0] = part[i][1] = _mm512_setzero_ps();
+    for (int L = 0; L < 8; ++L) {
+      // The stored byte is q ^ 0x80: flipped back, each byte sign-extends to q exactly.
+      const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(p + 32 + 64 * L), flip);
+      for (int u = 0; u < 4; ++u) {
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * u), 24));
+        for (int i = 0; i < r; ++i) {
+          const float* xb = wk.x + (i0 + i) * wk.k + b * kBlock;
+          part[i][u & 1] = _mm512_fmadd_ps(q, _mm512_set1_ps(xb[4 * L + u]), part[i][u & 1]);
+        }
+      }
+    }
+    for (int i = 0; i < r; ++i) acc[i] = _mm512_fmadd_ps(_mm512_add_ps(part[i][0], part[i][1]), d, acc[i]);
+  }
+  for (int i = 0; i < r; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+#endif
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// AVX2 (no AVX-512): the same tiles, each 64-byte load as two 32-byte halves of 8 rows. A
+// half's accumulators are r x (2 chains + 1) registers of the 16, so the halves run one after
+// the other over the tile (its bytes are in L1 by the second).
+inline __m256 load_f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+template <int r>
+void avx2_q4_1_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m256i nibble = _mm256_set1_epi32(15);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[r];
+    for (int i = 0; i < r; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = tile + b * 320;
+      const __m256 d = load_f16x8(p + 16 * h), m = load_f16x8(p + 32 + 16 * h);
+      __m256 part[r][2];
+      for (int i = 0; i < r; ++i) part[i][0] = part[i][1] = _mm256_setzero_ps();
+      for (int L = 0; L < 4; ++L) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 64 + 64 * L + 32 * h));
+        for (int u = 0; u < 4; ++u) {
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * u), nibble));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8 * u + 4), nibble));
+          for (int i = 0; i < r; ++i) {
+            const float* xb = wk.x + (i0 + i) * wk.k + b * kBlock;
+            part[i][0] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xb[4 * L + u]), part[i][0]);
+            part[i][1] = _mm256_fmadd_ps(hi, _mm256_set1_ps(xb[16 + 4 * L + u]), part[i][1]);
+          }
+        }
+      }
+      for (int i = 0; i < r; ++i) {
+        acc[i] = _mm256_fmadd_ps(_mm256_add_ps(part[i][0], part[i][1]), d, acc[i]);
+        acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(wk.xsum[(i0 + i) * nb + b]), acc[i]);
+      }
+    }
+    for (int i = 0; i < r; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
+  }
+}
+
+template <int r>
+void avx2_q8_0_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m256i flip = _mm256_set1_epi8(char(0x80));
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[r];
+    for (int i = 0; i < r; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = tile + b * 544;
+      const __m256 d = load_f16x8(p + 16 * h);
+      __m256 part[r][2];
+      for (int i = 0; i < r; ++i) part[i][0] = part[i][1] = _mm256_setzero_ps();
+      for (int L = 0; L < 8; ++L) {
+        const __m256i v = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 + 64 * L + 32 * h)), flip);
+        for (int u = 0; u < 4; ++u) {
+          const __m256 q = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * u), 24));
+          for (int i = 0; i < r; ++i) {
+            const float* xb = wk.x + (i0 + i) * wk.k + b * kBlock;
+            part[i][u & 1] = _mm256_fmadd_ps(q, _mm256_set1_ps(xb[4 * L + u]), part[i][u & 1]);
+          }
+        }
+      }
+      for (int i = 0; i < r; ++i) acc[i] = _mm256_fmadd_ps(_mm256_add_ps(part[i][0], part[i][1]), d, acc[i]);
+    }
+    for (int i = 0; i < r; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
+  }
+}
+#endif
+
+#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)) && defined(__AVX2__) && \
+    defined(__FMA__) && defined(__F16C__)
+// int8 activations on AVX2 (llama.cpp's way there): vpmaddubsw multiplies the unsigned bytes
+// by the signed ones and adds pairs into int16 (saturating), vpmaddwd by ones adds those
+// pairs into int32. Neither saturates here: q4_1's nibbles are <= 15, so an int16 lane sums
+// 16 products of at most 15 * 127 (30480) over a whole block; q8_0's signed q goes in as |q|
+// with its sign moved onto x (vpsignb), so one pair is at most 2 * 128 * 127 (32512) and each
+// load's pairs go to int32 at once.
+inline __m256i bcast4_256(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int r>
+void avx2_q4_1_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m256i nibble = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[r];
+    for (int i = 0; i < r; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = tile + b * 320;
+      const __m256 d = load_f16x8(p + 16 * h), m = load_f16x8(p + 32 + 16 * h);
+      __m256i dot[r];
+      for (int i = 0; i < r; ++i) dot[i] = _mm256_setzero_si256();
+      for (int L = 0; L < 4; ++L) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(p + 64 + 64 * L + 32 * h));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int i = 0; i < r; ++i) {
+          const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
+          dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(lo, bcast4_256(xb + 4 * L)));
+          dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(hi, bcast4_256(xb + 16 + 4 * L)));
+        }
+      }
+      for (int i = 0; i < r; ++i) {
+        const int64_t at = (i0 + i) * nb + b;
+        const float dx = wk.xd[at];
+        const __m256 sum = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[i], ones));
+        acc[i] = _mm256_fmadd_ps(sum, _mm256_mul_ps(d, _mm256_set1_ps(dx)), acc[i]);
+        acc[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx * float(wk.xqs[at])), acc[i]);
+      }
+    }
+    for (int i = 0; i < r; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
+  }
+}
+
+template <int r>
+void avx2_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m256i flip = _mm256_set1_epi8(char(0x80)), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[r];
+    for (int i = 0; i < r; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = tile + b * 544;
+      const __m256 d = load_f16x8(p + 16 * h);
+      __m256i dot[r];
+      for (int i = 0; i < r; ++i) dot[i] = _mm256_setzero_si256();
+      for (int L = 0; L < 8; ++L) {
+        const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 + 64 * L + 32 * h)), flip);
+        const __m256i aq = _mm256_abs_epi8(q);  // |q|, unsigned (-128 -> 128)
+        for (int i = 0; i < r; ++i) {
+          const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
+          const __m256i sx = _mm256_sign_epi8(bcast4_256(xb + 4 * L), q);  // x * sign(q)
+          dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), ones));
+        }
+      }
+      for (int i = 0; i < r; ++i) {
+        const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(wk.xd[(i0 + i) * nb + b]));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), scale, acc[i]);
+      }
+    }
+    for (int i = 0; i < r; ++i) _mm256_storeu_ps(out[i] + 8 * h, acc[i]);
+  }
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+template <int r>
+void avx_q4_1_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  const __m512i nibble = _mm512_set1_epi8(15);
+  __m512 acc[r];
+  for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = tile + b * 320;
+    const __m512 d = load_f16x16(p), m = load_f16x16(p + 32);
+    __m512i dot[r];
+    for (int i = 0; i < r; ++i) dot[i] = _mm512_setzero_si512();
+    for (int L = 0; L < 4; ++L) {
+      const __m512i v = _mm512_loadu_si512(p + 64 + 64 * L);
+      const __m512i lo = _mm512_and_si512(v, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      for (int i = 0; i < r; ++i) {
+        const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
+        dot[i] = _mm512_dpbusd_epi32(dot[i], lo, bcast4(xb + 4 * L));
+        dot[i] = _mm512_dpbusd_epi32(dot[i], hi, bcast4(xb + 16 + 4 * L));
+      }
+    }
+    for (int i = 0; i < r; ++i) {
+      const int64_t at = (i0 + i) * nb + b;
+      const float dx = wk.xd[at];
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[i]);
+      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx * float(wk.xqs[at])), acc[i]);
+    }
+  }
+  for (int i = 0; i < r; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+
+template <int r>
+void avx_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
+  const int64_t nb = wk.k / kBlock;
+  __m512 acc[r];
+  for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = tile + b * 544;
+    const __m512 d = load_f16x16(p);
+    __m512i dot[r];
+    for (int i = 0; i < r; ++i) dot[i] = _mm512_setzero_si512();
+    for (int L = 0; L < 8; ++L) {
+      const __m512i v = _mm512_loadu_si512(p + 32 + 64 * L);  // q + 128, unsigned
+      for (int i = 0; i < r; ++i) {
+        const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
+        dot[i] = _mm512_dpbusd_epi32(dot[i], v, bcast4(xb + 4 * L));
+      }
+    }
+    for (int i = 0; i < r; ++i) {
+      const int64_t at = (i0 + i) * nb + b;
+      // sum((q + 128) * xq) - 128 * sum(xq) = sum(q * xq), exactly.
+      const __m512i sum = _mm512_sub_epi32(dot[i], _mm512_set1_epi32(128 * wk.xqs[at]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(wk.xd[at])), acc[i]);
+    }
+  }
+  for (int i = 0; i < r; ++i) _mm512_storeu_ps(out[i], acc[i]);
+}
+#endif
+
+// The kernel of each (format, activations): the AVX-512 (or AVX2) loops where this build has them,
+// with r (the rows of x) a template argument so that their accumulators stay in registers.
+#define PJ_TILE_DOT(format, acts, fn, available)                                                     \
+  template <>                                                                                       \
+  void tile_dot<format, acts>(const Work& wk, const uint8_t* tile, int64_t, int64_t i0, int r,       \
+                              float (*out)[kTile]) {                                                \
+    if (!(available)) return tile_dot_portable<format, acts>(wk, tile, i0, r, out);                 \
+    switch (r) {                                                                                    \
+      case 1: return fn<1>(wk, tile, i0, out);                                                      \
+      case 2: return fn<2>(wk, tile, i0, out);                                                      \
+      case 3: return fn<3>(wk, tile, i0, out);                                                      \
+      case 4: return fn<4>(wk, tile, i0, out);                                                      \
+      case 5: return fn<5>(wk, tile, i0, out);                                                      \
+      case 6: return fn<6>(wk, tile, i0, out);                                                      \
+      case 7: return fn<7>(wk, tile, i0, out);                                                      \
+      default: return fn<8>(wk, tile, i0, out);                                                     \
+    }                                                                                               \
+  }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+constexpr bool kHasF32Simd = true;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool kHasF32Simd = true;  // the AVX2 loops stand in (same tiles, half a tile per register)
+template <int r> void avx_q4_1_f32(const Work& wk, const uint8_t* t, int64_t i0, float (*o)[kTile]) {
+  avx2_q4_1_f32<r>(wk, t, i0, o);
+}
+template <int r> void avx_q8_0_f32(const Work& wk, const uint8_t* t, int64_t i0, float (*o)[kTile]) {
+  avx2_q8_0_f32<r>(wk, t, i0, o);
+}
+#else
+constexpr bool kHasF32Simd = false;
+template <int r> void avx_q4_1_f32(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
+template <int r> void avx_q8_0_f32(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+constexpr bool kHasI8Simd = true;
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr bool kHasI8Simd = true;  // vpmaddubsw + vpmaddwd stand in for vpdpbusd
+template <int r> void avx_q4_1_i8(const Work& wk, const uint8_t* t, int64_t i0, float (*o)[kTile]) {
+  avx2_q4_1_i8<r>(wk, t, i0, o);
+}
+template <int r> void avx_q8_0_i8(const Work& wk, const uint8_t* t, int64_t i0, float (*o)[kTile]) {
+  avx2_q8_0_i8<r>(wk, t, i0, o);
+}
+#else
+constexpr bool kHasI8Simd = false;
+template <int r> void avx_q4_1_i8(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
+template <int r> void avx_q8_0_i8(const Work&, const uint8_t*, int64_t, float (*)[kTile]) {}
+#endif
+
+PJ_TILE_DOT(kQ4_1, kF32, avx_q4_1_f32, kHasF32Simd)
+PJ_TILE_DOT(kQ8_0, kF32, avx_q8_0_f32, kHasF32Simd)
+PJ_TILE_DOT(kQ4_1, kI8, avx_q4_1_i8, kHasI8Simd)
+PJ_TILE_DOT(kQ8_0, kI8, avx_q8_0_i8, kHasI8Simd)
+
+// bf16 rows (not tiled): out[i][l] for the `rows` rows from `tile` of the row-major weight.
+template <>
+void tile_dot<kBF16, kF32>(const Work& wk, const uint8_t* tile, int64_t rows, int64_t i0, int r,
+                           float (*out)[kTile]) {
+  for (int64_t l = 0; l < rows; ++l) {
+    const uint16_t* wb = reinterpret_cast<const uint16_t*>(tile) + l * wk.k;
+#if defined(__AVX512F__)
+    __m512 acc[kMaxRowsF32];
+    for (int i = 0; i < kMaxRowsF32; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < wk.k; j += 16) {
+      const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(wb + j)));
+      const __m512 wv = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+      for (int i = 0; i < r; ++i) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(wk.x + (i0 + i) * wk.k + j), wv, acc[i]);
+    }
+    for (int i = 0; i < r; ++i) out[i][l] = _mm512_reduce_add_ps(acc[i]);
+#else
+    for (int i = 0; i < r; ++i) {
+      float t = 0.0f;
+      for (int64_t j = 0; j < wk.k; ++j) {
+        uint32_t bits = uint32_t(wb[j]) << 16;
+        float f;
+        std::memcpy(&f, &bits, 4);
+        t += wk.x[(i0 + i) * wk.k + j] * f;
+      }
+      out[i][l] = t;
+    }
+#endif
+  }
+}
+
+constexpr int64_t tile_bytes(int format, int64_t k) {
+  return format == kBF16 ? kTile * k * 2 : k / kBlock * tile_block_bytes(format);
+}
+
+// Takes chunks of wk until none is left; true for the thread that finished its last chunk
+// (which then sees every other thread's results: the done counter's acquire-release).
+template <int kFormat, int kActs>
+bool run_chunks(Work& wk) {
+  bool last = false;
+  const int64_t stride = tile_bytes(kFormat, wk.k);
+  float out[kMaxRows][kTile];
+  for (int64_t c; (c = wk.next.fetch_add(1)) < wk.num_chunks;) {
+    int p = 0;
+    while (p + 1 < wk.num_parts && wk.parts[p + 1].first_chunk <= c) ++p;
+    const Part& part = wk.parts[p];
+    const int64_t t0 = (c - part.first_chunk) * kChunkTiles;
+    const int64_t t1 = std::min(part.num_tiles, t0 + kChunkTiles);
+    constexpr int64_t max_rows = kActs == kI8 ? kMaxRows : kMaxRowsF32;
+    for (int64_t i0 = 0; i0 < wk.m; i0 += max_rows) {
+      const int r = int(std::min<int64_t>(max_rows, wk.m - i0));
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t lanes = std::min<int64_t>(kTile, part.n - t * kTile);
+        tile_dot<kFormat, kActs>(wk, part.w + t * stride, lanes, i0, r, out);
+        for (int i = 0; i < r; ++i)
+          std::memcpy(part.y + (i0 + i) * part.n + t * kTile, out[i], lanes * sizeof(float));
+      }
+    }
+    last = wk.done.fetch_add(1, std::memory_order_acq_rel) + 1 == wk.num_chunks;
+  }
+  return last;
+}
+
+// x's per-block side inputs: block sums (f32 activations) or its int8 quantization.
+template <int kActs>
+void prepare_x(Work& wk) {
+  const int64_t nb = wk.k / kBlock, blocks = wk.m * nb;
+  if (kActs == kF32) {
+    wk.xsum.reset(new float[blocks]);
+    for (int64_t a = 0; a < blocks; ++a) {
+      float s = 0.0f;
+      for (int j = 0; j < kBlock; ++j) s += wk.x[a * kBlock + j];
+      wk.xsum[a] = s;
+    }
+    return;
+  }
+  wk.xq.reset(new int8_t[wk.m * wk.k]);
+  wk.xd.reset(new float[blocks]);
+  wk.xqs.reset(new int32_t[blocks]);
+  for (int64_t a = 0; a < blocks; ++a) {
+    const float* xb = wk.x + a * kBlock;
+    float amax = 0.0f;
+    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int32_t s = 0;
+    for (int j = 0; j < kBlock; ++j) {
+      const int32_t q = int32_t(std::nearbyint(xb[j] * id));  // half to even (the default mode)
+      wk.xq[a * kBlock + j] = int8_t(q);
+      s += q;
+    }
+    wk.xd[a] = d;
+    wk.xqs[a] = s;
+  }
+}
+
+}  // namespace
+
+#endif  // PAGED_JAX_QUANT_MATMUL_H_

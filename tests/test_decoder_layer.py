@@ -1,0 +1,177 @@
+"""The one-call decoder layer (cpu_kernels/decoder_layer.py) against its jnp reference and, in
+the engine, against a dense generate loop; its caches updated in place."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from cpu_kernels import decoder_layer as dl
+from cpu_kernels import quant_matmul as qm
+
+needs_native = pytest.mark.skipif(
+    shutil.which(os.environ.get("CXX", "g++")) is None or jax.default_backend() != "cpu"
+    or not dl.native.enabled(), reason="no C++ compiler, or not an x86-64 CPU backend")
+
+NUM_BLOCKS, BLOCK_SIZE, WIDTH = 24, 4, 6  # pages, tokens a page, table entries a row
+D, F, HQ, HKV = 64, 96, 4, 2
+# Relative to the output's largest magnitude: exact activations differ from XLA's only in
+# summation order; int8 activations may round a value of x to the next step where the two
+# norms differ in the last bit.
+TOLERANCE = {"float32": 2e-5, "int8": 2e-2}
+
+
+def _weights(formats, head_dim, seed=0):
+    """LayerWeights of random values: formats = (q/k/v, o, gate/up, down)."""
+    rng = np.random.default_rng(seed)
+    f_qkv, f_o, f_gu, f_down = formats
+    shapes = {"q": (HQ * head_dim, D, f_qkv), "k": (HKV * head_dim, D, f_qkv), "v": (HKV * head_dim, D, f_qkv),
+              "o": (D, HQ * head_dim, f_o), "gate": (F, D, f_gu), "up": (F, D, f_gu), "down": (D, F, f_down)}
+    packed = {name: dl.Weight(jnp.asarray(qm.pack((rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32), fmt)),
+                              fmt) for name, (n, k, fmt) in shapes.items()}
+    norm = lambda: jnp.asarray(1.0 + 0.1 * rng.standard_normal(D), jnp.float32)  # noqa: E731
+    return dl.LayerWeights(norm(), packed["q"], packed["k"], packed["v"], packed["o"], norm(), packed["gate"],
+                           packed["up"], packed["down"])
+
+
+def _step(num_tokens, head_dim, cache_dtype, seed=0):
+    """A batch of num_tokens token rows: sequences of lengths 1, 5, 4 (a page exactly) and 13 (past
+    three pages) at the front, padding rows (seq_lens 0, slot 0) after; each sequence's pages a
+    random choice of the pool; every page no sequence owns holds NaN (the null page 0 too)."""
+    rng = np.random.default_rng(seed)
+    lens = [1, 5, 4, 13, 9, 2, 7, 3][:num_tokens]
+    num_real = max(1, num_tokens - 1) if num_tokens > 1 else 1  # leave one padding row when there is room
+    lens = lens[:num_real] + [0] * (num_tokens - num_real)
+    pages = rng.permutation(np.arange(1, NUM_BLOCKS))
+    tables = np.zeros((num_tokens, WIDTH), np.int32)
+    slots = np.zeros(num_tokens, np.int32)
+    owned = []
+    for t, n in enumerate(lens):
+        if n == 0:
+            continue
+        used = -(-n // BLOCK_SIZE)
+        row_pages, pages = pages[:used], pages[used:]
+        tables[t, :used] = row_pages
+        owned += list(row_pages)
+        slots[t] = row_pages[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE  # this token's position
+    shape = (NUM_BLOCKS, BLOCK_SIZE, HKV, head_dim)
+    k_cache = np.full(shape, np.nan, np.float32)
+    v_cache = np.full(shape, np.nan, np.float32)
+    k_cache[owned] = rng.standard_normal((len(owned), *shape[1:]))
+    v_cache[owned] = rng.standard_normal((len(owned), *shape[1:]))
+    positions = np.maximum(np.asarray(lens) - 1, 0)
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, head_dim, 2) / head_dim))
+    angles = (positions[:, None] * inv_freq).astype(np.float32)
+    x = rng.standard_normal((num_tokens, D)).astype(np.float32)
+    rows = (jnp.asarray(tables), jnp.asarray(lens, jnp.int32), jnp.arange(num_tokens + 1, dtype=jnp.int32),
+            jnp.int32(num_real))
+    return (jnp.asarray(x), jnp.cos(angles), jnp.sin(angles), jnp.asarray(k_cache, cache_dtype),
+            jnp.asarray(v_cache, cache_dtype), jnp.asarray(slots), rows)
+
+
+def _run(fn, weights, step, head_dim, **kw):
+    x, cos, sin, k_cache, v_cache, slots, rows = step
+    return fn(x, weights, cos, sin, k_cache, v_cache, slots, rows, eps=1e-5, sm_scale=head_dim ** -0.5,
+              num_heads=HQ, intermediate_size=F, **kw)
+
+
+def _check(weights, step, head_dim, activations="float32", sliding_window=None, prefix=dl._PREFIX):
+    out, k_out, v_out = jax.jit(lambda *a: _run(dl.decoder_layer, weights, a, head_dim, activations=activations,
+                                                sliding_window=sliding_window, prefix=prefix))(*step)
+    ref, k_ref, v_ref = _run(dl.decoder_layer_reference, weights, step, head_dim, activations=activations,
+                             sliding_window=sliding_window)
+    real = np.asarray(step[-1][1]) > 0  # padding rows' outputs are not defined
+    out, ref = np.asarray(out)[real], np.asarray(ref)[real]
+    assert np.isfinite(out).all(), "a NaN page (unowned, or the null page) reached a real row"
+    np.testing.assert_allclose(out, ref, atol=TOLERANCE[activations] * np.abs(ref).max(), rtol=0)
+    # the caches: this step's rows written where the reference writes them, every other page as it was
+    for got, want in ((k_out, k_ref), (v_out, v_ref)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_allclose(got, want, atol=TOLERANCE[activations] * np.nanmax(np.abs(want)), rtol=0)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+
+
+FORMAT_SETS = [("q4_1", "q4_1", "q4_1", "q4_1"), ("q8_0", "q8_0", "q8_0", "q8_0"), ("q4_1", "q8_0", "q8_0", "q4_1"),
+               ("bf16", "bf16", "bf16", "bf16"), ("q8_0", "bf16", "q4_1", "bf16")]
+
+
+@needs_native
+@pytest.mark.parametrize("formats", FORMAT_SETS, ids=lambda f: "-".join(f))
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_layer_matches_reference(formats, activations, num_tokens):
+    if activations == "int8" and all(f == "bf16" for f in formats):
+        pytest.skip("bf16 weights multiply f32 activations only")
+    _check(_weights(formats, 64), _step(num_tokens, 64, jnp.float32), 64, activations)
+
+
+@needs_native
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("head_dim", [64, 32], ids=["avx512-loops", "generic-loops"])
+@pytest.mark.parametrize("sliding_window", [None, 3])
+def test_caches_head_dims_and_windows(cache_dtype, head_dim, sliding_window):
+    _check(_weights(FORMAT_SETS[0], head_dim, seed=1), _step(8, head_dim, cache_dtype, seed=2), head_dim,
+           sliding_window=sliding_window)
+
+
+@needs_native
+@pytest.mark.parametrize("flags,prefix", [(("-mno-avx512f",), "pj_test_avx2_layer"),
+                                          (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "pj_test_portable_layer")],
+                         ids=["avx2", "portable"])
+def test_layer_without_avx512_matches_reference(flags, prefix):
+    if prefix == "pj_test_avx2_layer" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    assert dl.build_and_register(flags, prefix=prefix)
+    for activations in ("float32", "int8"):
+        _check(_weights(FORMAT_SETS[2], 64, seed=3), _step(5, 64, jnp.float32, seed=4), 64, activations, prefix=prefix)
+
+
+def test_bad_arguments_raise_value_errors():
+    weights = _weights(FORMAT_SETS[1], 64)
+    step = _step(2, 64, jnp.float32)
+    wrong = weights._replace(gate=weights.down)
+    with pytest.raises(ValueError, match="weights.gate"):
+        _run(dl.decoder_layer, wrong, step, 64)
+    with pytest.raises(ValueError, match="activations"):
+        _run(dl.decoder_layer, weights, step, 64, activations="int4")
+    with pytest.raises(ValueError, match="sliding_window"):
+        _run(dl.decoder_layer, weights, step, 64, sliding_window=0)
+    x, cos, sin, *rest = step
+    with pytest.raises(ValueError, match="cos and sin"):
+        _run(dl.decoder_layer, weights, (x, cos[:, :8], sin[:, :8], *rest), 64)
+
+
+@needs_native
+def test_engine_runs_small_buckets_as_one_call_per_layer_in_place():
+    """LLM(weight_dtype="int8") on the CPU: the decode bucket's layer program is one native call
+    per layer whose caches are the program's (donated, aliased: no cache-sized temporary); a
+    bucket past MAX_TOKENS keeps the XLA layers. Greedy tokens of several sequences decoding at
+    once equal a dense loop over the same model (and a run with the XLA layers)."""
+    from paged_jax import LLM, SamplingParams
+
+    llm = LLM("tiny", weight_dtype="int8", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+              warm_up="none", block_size=16)
+    runner = llm.engine.runner
+    assert runner._native_layers
+    prompts = [[5, 9, 2, 7, 7, 1], [3, 4], [8] * 20]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    layer = runner._programs_for((1, 1))[1][0]
+    assert layer.as_text().count("pj_decoder_layer_f32") == runner.layers_per_program
+    memory = runner.compiled_memory(1, 1)["layer"]
+    cache_bytes = sum(a.nbytes for cache in runner.kv_caches[:runner.layers_per_program] for a in cache)
+    assert memory.alias_size_in_bytes >= cache_bytes and memory.temp_size_in_bytes < cache_bytes
+    big = max(shape for shape in runner.bucket_shapes() if shape[0] > dl.MAX_TOKENS)
+    runner.compiler.programs_for(big)
+    assert "pj_decoder_layer" not in runner._programs_for(big)[1][0].as_text()
+    model = llm.engine.model
+    for prompt, out in zip(prompts, outs):
+        ids = list(prompt)
+        for _ in range(8):
+            logits = model.dense_forward(jnp.asarray([ids + [0] * (32 - len(ids))], jnp.int32))
+            ids.append(int(np.asarray(logits)[0, len(ids) - 1].argmax()))
+        assert list(out.outputs[0].token_ids) == ids[len(prompt):]
