@@ -113,6 +113,130 @@ inline void rms_norm(const float* x, const float* w, float eps, int64_t d, float
   for (int64_t i = 0; i < d; ++i) out[i] = (x[i] * r) * w[i];
 }
 
+// Attention of one (row, KV head) over its keys k0 .. k1 - 1 only, unnormalized: for each of
+// its query heads g, m[g] the largest score, l[g] the sum of exp(score - m[g]) and o[g] the
+// values weighted by those exps (flash-decoding's partial results, merged by merge_splits).
+// A decode row's one (row, KV head) task would leave one of two threads idle for most of the
+// phase when a single sequence has 3 KV heads; split into key ranges, every thread has work.
+template <typename KV>
+void attend_keys(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1, std::vector<float>& scores,
+                 float* m, float* l, float* o) {
+  const int64_t row = job.qsl[seq], bs = job.block_size, g_num = job.group, dim = job.dim, len = k1 - k0;
+  const int64_t hq = job.hkv * g_num;
+  const float* q = job.q + (row * hq + h * g_num) * dim;
+  const int32_t* table = job.tables + seq * job.width;
+  scores.resize(g_num * len);
+  for (int64_t t = k0; t < k1; ++t) {
+    const KV* key = job.k + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
+    for (int64_t g = 0; g < g_num; ++g) {
+      const float* qg = q + g * dim;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < dim; ++d) acc += qg[d] * to_f32(key[d]);
+      scores[g * len + t - k0] = acc * job.scale;
+    }
+  }
+  for (int64_t g = 0; g < g_num; ++g) {
+    float* sg = scores.data() + g * len;
+    float mx = sg[0];
+    for (int64_t t = 1; t < len; ++t) mx = std::max(mx, sg[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = exp_nonpositive(sg[t] - mx);
+      sum += sg[t];
+    }
+    m[g] = mx;
+    l[g] = sum;
+  }
+  std::fill(o, o + g_num * dim, 0.0f);
+  for (int64_t t = k0; t < k1; ++t) {
+    const KV* value = job.v + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
+    for (int64_t g = 0; g < g_num; ++g) {
+      const float p = scores[g * len + t - k0];
+      float* og = o + g * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) og[d] += p * to_f32(value[d]);
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// attend_keys with kG query heads per KV head and head_dim 16 * kC in registers (the loops of
+// paged_attention.h's run_task_avx512, stopping before the normalization).
+template <typename KV, int kG, int kC>
+void attend_keys_avx512(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1,
+                        std::vector<float>& scores, float* m, float* l, float* o) {
+  const int64_t row = job.qsl[seq], bs = job.block_size, len = k1 - k0, dim = 16 * kC, hq = job.hkv * kG;
+  const float* q = job.q + (row * hq + h * kG) * dim;
+  const int32_t* table = job.tables + seq * job.width;
+  scores.resize(kG * len);
+  __m512 qv[kG][kC];
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim + 16 * c), _mm512_set1_ps(job.scale));
+  for (int64_t t = k0; t < k1; ++t) {
+    const KV* key = job.k + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
+    __m512 kv[kC];
+    for (int c = 0; c < kC; ++c) kv[c] = load16(key + 16 * c);
+    for (int g = 0; g < kG; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < kC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+      scores[g * len + t - k0] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  for (int g = 0; g < kG; ++g) {
+    float* sg = scores.data() + g * len;
+    float mx = sg[0];
+    for (int64_t t = 1; t < len; ++t) mx = std::max(mx, sg[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < len; ++t) {
+      sg[t] = exp_nonpositive(sg[t] - mx);
+      sum += sg[t];
+    }
+    m[g] = mx;
+    l[g] = sum;
+  }
+  __m512 ov[kG][kC];
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) ov[g][c] = _mm512_setzero_ps();
+  for (int64_t t = k0; t < k1; ++t) {
+    const KV* value = job.v + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
+    __m512 vv[kC];
+    for (int c = 0; c < kC; ++c) vv[c] = load16(value + 16 * c);
+    for (int g = 0; g < kG; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t - k0]);
+      for (int c = 0; c < kC; ++c) ov[g][c] = _mm512_fmadd_ps(p, vv[c], ov[g][c]);
+    }
+  }
+  for (int g = 0; g < kG; ++g)
+    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(o + g * dim + 16 * c, ov[g][c]);
+}
+
+template <typename KV, int kC>
+bool attend_keys_group(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1,
+                       std::vector<float>& scores, float* m, float* l, float* o) {
+  switch (job.group) {
+#define PJ_GROUP(g) \
+  case g: attend_keys_avx512<KV, g, kC>(job, seq, h, k0, k1, scores, m, l, o); return true;
+    PJ_GROUP(1) PJ_GROUP(2) PJ_GROUP(3) PJ_GROUP(4) PJ_GROUP(5) PJ_GROUP(6) PJ_GROUP(7) PJ_GROUP(8)
+#undef PJ_GROUP
+    default: return false;
+  }
+}
+#endif
+
+// attend_keys on the fastest loops this build has for the shape.
+template <typename KV>
+void attend_keys_any(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1, std::vector<float>& scores,
+                     float* m, float* l, float* o) {
+#if defined(__AVX512F__)
+  if (job.dim == 64 && attend_keys_group<KV, 4>(job, seq, h, k0, k1, scores, m, l, o)) return;
+  if (job.dim == 128 && attend_keys_group<KV, 8>(job, seq, h, k0, k1, scores, m, l, o)) return;
+#endif
+  attend_keys(job, seq, h, k0, k1, scores, m, l, o);
+}
+
 template <typename KV>
 struct Layer {
   // inputs (XLA's buffers; the caches are the aliased results)
@@ -126,6 +250,8 @@ struct Layer {
   Matmul qkv, o, gate_up, down;
   Job<KV> attend;
   int64_t num_tasks = 0;
+  int64_t splits = 1;          // key ranges per (row, KV head): num_tasks = rows * hkv * splits
+  std::vector<float> partial;  // [task][group][dim + 2]: attend_keys' o, then m and l (splits > 1)
   std::vector<float> n, q, k, v, a, h, g, u, act, dn;  // scratch: norms, projections, ...
   std::atomic<int> phase{-1};
 };
@@ -146,6 +272,32 @@ inline void rope(float* heads, int64_t num_heads, int64_t dim, const float* c, c
 
 template <typename KV>
 void open(Layer<KV>& L, int p);
+
+// The attention of each (row, KV head) from its splits' partial results (attend_keys).
+template <typename KV>
+void merge_splits(Layer<KV>& L) {
+  const Job<KV>& job = L.attend;
+  const int64_t g_num = job.group, dim = job.dim, stride = g_num * (dim + 2), hq = job.hkv * g_num;
+  for (size_t r = 0; r < job.seqs.size(); ++r)
+    for (int64_t h = 0; h < job.hkv; ++h) {
+      const float* part = L.partial.data() + (int64_t(r) * job.hkv + h) * L.splits * stride;
+      float* out = L.a.data() + (job.qsl[job.seqs[r]] * hq + h * g_num) * dim;
+      for (int64_t g = 0; g < g_num; ++g) {
+        float mx = -INFINITY;
+        for (int64_t sp = 0; sp < L.splits; ++sp) mx = std::max(mx, part[sp * stride + g_num * dim + g]);
+        float sum = 0.0f;
+        float* og = out + g * dim;
+        std::fill(og, og + dim, 0.0f);
+        for (int64_t sp = 0; sp < L.splits; ++sp) {
+          const float* ps = part + sp * stride;
+          const float w = ps[g_num * dim + g] == -INFINITY ? 0.0f : std::exp(ps[g_num * dim + g] - mx);
+          sum += w * ps[g_num * dim + g_num + g];
+          for (int64_t d = 0; d < dim; ++d) og[d] += w * ps[g * dim + d];
+        }
+        for (int64_t d = 0; d < dim; ++d) og[d] /= sum;
+      }
+    }
+}
 
 // The serial work after phase p (done by the thread that finished p's last chunk), then p + 1.
 template <typename KV>
@@ -169,6 +321,7 @@ void finish(Layer<KV>& L, int p) {
       break;
     }
     case kAttend:
+      if (L.splits > 1) merge_splits(L);
       if (kBF16Cache)  // ... and its output comes back in that dtype
         for (float& e : L.a) e = bf16_round(e);
       if (L.o.prepare) L.o.prepare(L.o.work);
@@ -221,7 +374,21 @@ bool run_phase(Layer<KV>& L, int p) {
       std::vector<float> scores;
       bool last = false;
       for (int64_t i; (i = job.next.fetch_add(1)) < L.num_tasks;) {
-        run_any(job, job.seqs[i / job.hkv], i % job.hkv, scores);
+        if (L.splits == 1) {
+          run_any(job, job.seqs[i / job.hkv], i % job.hkv, scores);
+        } else {  // task i: row r, KV head h, key range sp of the row's keys
+          const int64_t sp = i % L.splits, rh = i / L.splits, seq = job.seqs[rh / job.hkv];
+          const int64_t end = job.seq_lens[seq], first = first_key(job, end), n = end - first;
+          const int64_t k0 = first + n * sp / L.splits, k1 = first + n * (sp + 1) / L.splits;
+          float* part = L.partial.data() + i * job.group * (job.dim + 2);
+          float* m = part + job.group * job.dim;
+          if (k0 == k1) {  // an empty range weighs nothing
+            std::fill(m, m + job.group, -INFINITY);
+            std::fill(m + job.group, m + 2 * job.group, 0.0f);
+          } else {
+            attend_keys_any(job, seq, rh % job.hkv, k0, k1, scores, m, m + job.group, part);
+          }
+        }
         last = job.done.fetch_add(1, std::memory_order_acq_rel) + 1 == L.num_tasks;
       }
       return last;
@@ -318,6 +485,16 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
     if (job.qsl[s + 1] - job.qsl[s] == 1 && job.qsl[s] < t && job.seq_lens[s] > 0) job.seqs.push_back(s);
   L->num_tasks = int64_t(job.seqs.size()) * hkv;
   auto& team = paged_jax::thread_team();
+  // Fewer (row, KV head) tasks than a few per thread (one sequence decoding): split each
+  // one's keys in ranges of at least kSplitKeys.
+  constexpr int64_t kSplitKeys = 128, kMaxSplits = 8;
+  int64_t longest = 0;
+  for (int64_t seq : job.seqs) longest = std::max<int64_t>(longest, job.seq_lens[seq]);
+  if (L->num_tasks > 0 && L->num_tasks < 4 * (team.num_helpers() + 1)) {
+    L->splits = std::clamp<int64_t>(longest / kSplitKeys, 1, kMaxSplits);
+    L->num_tasks *= L->splits;
+    if (L->splits > 1) L->partial.resize(L->num_tasks * job.group * (dim + 2));
+  }
   team.post([L] { work(*L); }, team.num_helpers());
   for (int64_t i = 0; i < t; ++i) rms_norm(L->x + i * d, L->w_in, eps, d, &L->n[i * d]);
   if (L->qkv.prepare) L->qkv.prepare(L->qkv.work);

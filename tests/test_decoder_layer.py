@@ -38,16 +38,19 @@ def _weights(formats, head_dim, seed=0):
                            packed["up"], packed["down"])
 
 
-def _step(num_tokens, head_dim, cache_dtype, seed=0):
+def _step(num_tokens, head_dim, cache_dtype, seed=0, lens=None, num_blocks=NUM_BLOCKS, width=WIDTH):
     """A batch of num_tokens token rows: sequences of lengths 1, 5, 4 (a page exactly) and 13 (past
-    three pages) at the front, padding rows (seq_lens 0, slot 0) after; each sequence's pages a
-    random choice of the pool; every page no sequence owns holds NaN (the null page 0 too)."""
+    three pages) at the front (or `lens`), padding rows (seq_lens 0, slot 0) after; each
+    sequence's pages a random choice of the pool; every page no sequence owns holds NaN (the
+    null page 0 too)."""
     rng = np.random.default_rng(seed)
-    lens = [1, 5, 4, 13, 9, 2, 7, 3][:num_tokens]
-    num_real = max(1, num_tokens - 1) if num_tokens > 1 else 1  # leave one padding row when there is room
-    lens = lens[:num_real] + [0] * (num_tokens - num_real)
-    pages = rng.permutation(np.arange(1, NUM_BLOCKS))
-    tables = np.zeros((num_tokens, WIDTH), np.int32)
+    if lens is None:
+        lens = [1, 5, 4, 13, 9, 2, 7, 3][:num_tokens]
+        num_real = max(1, num_tokens - 1) if num_tokens > 1 else 1  # leave one padding row when there is room
+        lens = lens[:num_real] + [0] * (num_tokens - num_real)
+    num_real = sum(n > 0 for n in lens)
+    pages = rng.permutation(np.arange(1, num_blocks))
+    tables = np.zeros((num_tokens, width), np.int32)
     slots = np.zeros(num_tokens, np.int32)
     owned = []
     for t, n in enumerate(lens):
@@ -58,7 +61,7 @@ def _step(num_tokens, head_dim, cache_dtype, seed=0):
         tables[t, :used] = row_pages
         owned += list(row_pages)
         slots[t] = row_pages[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE  # this token's position
-    shape = (NUM_BLOCKS, BLOCK_SIZE, HKV, head_dim)
+    shape = (num_blocks, BLOCK_SIZE, HKV, head_dim)
     k_cache = np.full(shape, np.nan, np.float32)
     v_cache = np.full(shape, np.nan, np.float32)
     k_cache[owned] = rng.standard_normal((len(owned), *shape[1:]))
@@ -116,6 +119,17 @@ def test_layer_matches_reference(formats, activations, num_tokens):
 def test_caches_head_dims_and_windows(cache_dtype, head_dim, sliding_window):
     _check(_weights(FORMAT_SETS[0], head_dim, seed=1), _step(8, head_dim, cache_dtype, seed=2), head_dim,
            sliding_window=sliding_window)
+
+
+@needs_native
+@pytest.mark.parametrize("lens", [[300], [517, 0], [260, 129]], ids=["one-row", "one-row-padded", "two-rows"])
+@pytest.mark.parametrize("sliding_window", [None, 200])
+@pytest.mark.parametrize("head_dim", [64, 32], ids=["avx512-loops", "generic-loops"])
+def test_long_contexts_split_over_the_threads(lens, sliding_window, head_dim):
+    """Few (row, KV head) tasks over hundreds of keys: the kernel splits each one's keys in
+    ranges (merged as flash-decoding does); the window moves the ranges' start."""
+    step = _step(len(lens), head_dim, jnp.float32, seed=5, lens=lens, num_blocks=300, width=140)
+    _check(_weights(FORMAT_SETS[1], head_dim, seed=6), step, head_dim, sliding_window=sliding_window)
 
 
 @needs_native
