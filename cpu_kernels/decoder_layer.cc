@@ -13,16 +13,15 @@
 // The matmuls are quant_matmul.h's (weights in q8_0 / q4_1 tiles or bf16 rows, activations
 // f32 or quantized to int8 per block), the attention paged_attention.h's (f32 or bf16 caches).
 //
-// Why one call: as XLA thunks a decode layer is ~20 small programs' worth of fused ops plus
-// five native calls, and each native call hands its work to a helper of XLA's pool, which
-// wakes up, works, and goes back to sleep; on a 2-core machine those hand-offs and the
-// thunks' fixed costs were about half of a single-stream decode step (docs/BENCHMARKS.md,
-// section 18). Here the helpers are handed the layer once and stay in it: each phase (the
-// four matmuls and the attention) is a list of chunks taken from an atomic counter, the
-// thread that finishes a phase's last chunk does the small serial work that follows (norm,
-// RoPE and the KV write, SwiGLU, preparing the next matmul's x) and opens the next phase,
-// and a helper with nothing to do waits for it spinning, only inside the call. The calling
-// thread can do every phase alone, so a helper that starts late, or never, costs only time.
+// Why one call: as XLA thunks a decode layer is ~20 small fused ops plus five native calls
+// (q/k/v, attention, o, gate/up, down), each of which hands its work to a helper thread and
+// waits at its end for the last chunk. Here the helper is handed the layer once and stays in
+// it: each phase (the four matmuls and the attention) is a list of chunks taken from an atomic
+// counter, the thread that finishes a phase's last chunk does the small serial work that
+// follows (norm, RoPE and the KV write, SwiGLU, preparing the next matmul's x) and opens the
+// next phase, and a helper with nothing to do waits for it spinning, only inside the call. The
+// calling thread can do every phase alone, so a helper that starts late, or never, costs only
+// time. docs/BENCHMARKS.md section 18 measures it.
 
 #include "paged_attention.h"
 #include "quant_matmul.h"

@@ -12,8 +12,8 @@
 // f32[T, Hq, D]: the attention of every token of a sequence with exactly one query token;
 // every other row (prefill chunks, padding) is zero. Query head j reads KV head j / (Hq / Hkv).
 //
-// (sequence, KV head) tasks are split over XLA's intra-op thread pool from an atomic counter;
-// the calling thread works too.
+// (sequence, KV head) tasks are split over the kernels' helper threads (thread_team.h) from an
+// atomic counter; the calling thread works too.
 //
 // The kernel itself, shared by paged_attention.cc (the attention's own handler) and decoder_layer.cc.
 

@@ -21,8 +21,9 @@
 //
 // One call multiplies x by several weights of the same format and inputs (a layer's q, k and v,
 // or gate and up): x is prepared once, and the tiles of every weight are one list of work.
-// That list is split over XLA's intra-op thread pool; each task takes chunks of tiles from an
-// atomic counter and the calling thread works too, so no task ever waits for another.
+// That list is split over the kernels' helper threads (thread_team.h); each takes chunks of
+// tiles from an atomic counter and the calling thread works too, so no task ever waits for
+// another.
 //
 // The kernel itself, shared by quant_matmul.cc (the matmul's own handler) and decoder_layer.cc.
 
