@@ -108,7 +108,7 @@ def engine_step(steps: int, warmup: int, seed: int) -> dict[str, list[float]]:
     vocab = model.config.vocab_size
     prompts, params = make_requests(vocab, rng, steps + warmup + 50)
 
-    def fake_execute(inputs, copies=None):  # no offload tier: copies is always None
+    def fake_execute(inputs, copies=None, spec=None, processing=None):  # no offload tier, proposals or grammars
         # The jitted call's contract: i32[S] tokens and f32[S] logprobs on the host.
         s = inputs.attention.seq_lens.shape[0]
         return rng.integers(3, vocab, s, dtype=np.int32), np.zeros(s, np.float32)

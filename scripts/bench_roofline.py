@@ -300,7 +300,10 @@ def hlo_ops(text: str) -> dict:
     return described
 
 
-def _thunk_kind(op_name: str, opcode: str, name: str) -> str:
+def _thunk_kind(op_name: str, opcode: str, name: str, shape: str = "") -> str:
+    if (name.startswith("ffi_call") or opcode == "custom-call") and shape.startswith("(") and shape.count("[") >= 3:
+        # (x, k_cache, v_cache): a layer as one native call
+        return "whole layers (one native call each, cpu_kernels/decoder_layer)"
     if "attention" in op_name:
         return "attention (ragged_paged_attention_xla)"
     if "dot_general" in op_name or opcode == "dot" or name.startswith("dot"):
@@ -364,7 +367,7 @@ def profile_thunks(engine, prompt: list[int], steps: int) -> dict:
     for (module, name), us in total.most_common():
         opcode, op_shape, op_name = ops.get(module, {}).get(name, ("", "", ""))
         ms = us / steps / 1e3
-        kinds[_thunk_kind(op_name, opcode, name)] += ms
+        kinds[_thunk_kind(op_name, opcode, name, op_shape)] += ms
         per_module[module] += ms
         top.append({"program": module, "thunk": name, "ms_per_step": ms, "calls_per_step": calls[(module, name)] // steps,
                     "opcode": opcode, "shape": op_shape, "op_name": op_name})
