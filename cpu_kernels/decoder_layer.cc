@@ -494,7 +494,7 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
     L->num_tasks *= L->splits;
     if (L->splits > 1) L->partial.resize(L->num_tasks * job.group * (dim + 2));
   }
-  team.post([L] { work(*L); }, team.num_helpers());
+  team.post([L] { work(*L); }, team.num_helpers(), paged_jax::ThreadTeam::kLinger);
   for (int64_t i = 0; i < t; ++i) rms_norm(L->x + i * d, L->w_in, eps, d, &L->n[i * d]);
   if (L->qkv.prepare) L->qkv.prepare(L->qkv.work);
   open(*L, kQKV);

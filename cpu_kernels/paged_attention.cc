@@ -42,7 +42,8 @@ ffi::Error decode_attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<kKV> k_cache,
   const int64_t num_tasks = int64_t(job->seqs.size()) * hkv;
   // A task is a few microseconds per thousand keys: helpers only for more than a couple.
   auto& team = paged_jax::thread_team();
-  team.post([job] { run_tasks(*job); }, std::min<int64_t>(team.num_helpers(), num_tasks / 2));
+  team.post([job] { run_tasks(*job); }, std::min<int64_t>(team.num_helpers(), num_tasks / 2),
+            paged_jax::ThreadTeam::kBrief);
   run_tasks(*job);
   while (job->done.load(std::memory_order_acquire) < num_tasks) {
   }

@@ -40,7 +40,8 @@ ffi::Error quant_matmul(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
   work->num_chunks = num_chunks;
   if (kFormat != kBF16) prepare_x<kActs>(*work);
   auto& team = paged_jax::thread_team();
-  team.post([work] { run_chunks<kFormat, kActs>(*work); }, std::min<int64_t>(team.num_helpers(), num_chunks - 1));
+  team.post([work] { run_chunks<kFormat, kActs>(*work); }, std::min<int64_t>(team.num_helpers(), num_chunks - 1),
+            paged_jax::ThreadTeam::kLinger);
   run_chunks<kFormat, kActs>(*work);
   // A helper that starts late finds no chunk left and only drops its reference to work.
   while (work->done.load(std::memory_order_acquire) < num_chunks) _mm_pause();
