@@ -6,7 +6,7 @@
 namespace {
 
 template <ffi::DataType kKV>
-ffi::Error decode_attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<kKV> k_cache,
+ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kKV> k_cache,
                             ffi::Buffer<kKV> v_cache, ffi::Buffer<ffi::S32> block_tables,
                             ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                             ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int32_t sliding_window,
@@ -41,9 +41,15 @@ ffi::Error decode_attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<kKV> k_cache,
   }
   const int64_t num_tasks = int64_t(job->seqs.size()) * hkv;
   // A task is a few microseconds per thousand keys: helpers only for more than a couple.
+  // The team's helpers while one is awake, else XLA's pool (thread_team.h says why).
   auto& team = paged_jax::thread_team();
-  team.post([job] { run_tasks(*job); }, std::min<int64_t>(team.num_helpers(), num_tasks / 2),
-            paged_jax::ThreadTeam::kBrief);
+  if (team.has_awake_helper()) {
+    team.post([job] { run_tasks(*job); }, std::min<int64_t>(team.num_helpers(), num_tasks / 2),
+              paged_jax::ThreadTeam::kLinger);
+  } else {
+    const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tasks / 2);
+    for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { run_tasks(*job); });
+  }
   run_tasks(*job);
   while (job->done.load(std::memory_order_acquire) < num_tasks) {
   }
@@ -55,6 +61,7 @@ ffi::Error decode_attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<kKV> k_cache,
 #define PJ_DEFINE_ATTENTION(name, kv)                                             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, decode_attention<kv>,                       \
                                 ffi::Ffi::Bind()                                  \
+                                    .Ctx<ffi::ThreadPool>()                       \
                                     .Arg<ffi::Buffer<ffi::F32>>()                 \
                                     .Arg<ffi::Buffer<kv>>()                       \
                                     .Arg<ffi::Buffer<kv>>()                       \

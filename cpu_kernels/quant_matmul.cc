@@ -8,7 +8,7 @@ namespace {
 // y_p[M, n_p] = x[M, K] @ W_p^T for each weight p of the call (x, then the weights, then the
 // results, in the same order).
 template <int kFormat, int kActs>
-ffi::Error quant_matmul(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+ffi::Error quant_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
                         ffi::RemainingRets ys) {
   auto xd = x.dimensions();
   if (xd.size() != 2) return ffi::Error::InvalidArgument("x must be 2-D");
@@ -39,9 +39,16 @@ ffi::Error quant_matmul(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
   }
   work->num_chunks = num_chunks;
   if (kFormat != kBF16) prepare_x<kActs>(*work);
+  // The team's helpers while one is awake (a decode step's head after its one-call layers),
+  // else XLA's pool (thread_team.h says why).
   auto& team = paged_jax::thread_team();
-  team.post([work] { run_chunks<kFormat, kActs>(*work); }, std::min<int64_t>(team.num_helpers(), num_chunks - 1),
-            paged_jax::ThreadTeam::kLinger);
+  auto job = [work] { run_chunks<kFormat, kActs>(*work); };
+  if (team.has_awake_helper()) {
+    team.post(job, std::min<int64_t>(team.num_helpers(), num_chunks - 1), paged_jax::ThreadTeam::kLinger);
+  } else {
+    const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_chunks - 1);
+    for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { run_chunks<kFormat, kActs>(*work); });
+  }
   run_chunks<kFormat, kActs>(*work);
   // A helper that starts late finds no chunk left and only drops its reference to work.
   while (work->done.load(std::memory_order_acquire) < num_chunks) _mm_pause();
@@ -53,6 +60,7 @@ ffi::Error quant_matmul(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
 #define PJ_DEFINE(name, format, acts)                                             \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (quant_matmul<format, acts>),               \
                                 ffi::Ffi::Bind()                                  \
+                                    .Ctx<ffi::ThreadPool>()                       \
                                     .Arg<ffi::Buffer<ffi::F32>>()                 \
                                     .RemainingArgs()                              \
                                     .RemainingRets());

@@ -1,24 +1,26 @@
-// The helper threads every native kernel of this library shares (one per core besides the
-// caller's), in place of XLA's intra-op pool.
+// The native kernels' own helper threads (one per core besides the caller's): the one-call
+// decoder layer's, which the matmul and attention kernels borrow while one is awake.
 //
 // Why: handing work to a sleeping thread of XLA's pool (ThreadPool::Schedule) wakes it with a
 // futex, and on the VMs this project runs on that call blocks the caller ~30 us and the helper
-// starts ~35 us later (measured inside decoder_layer.cc): a decode step makes 30-180 such
-// calls, each only 10-200 us of work. These helpers instead spin for a while after a job
-// before they sleep, so calls that come back to back (a step's layers, its head) reach an
-// awake helper and pay no wake-up; a process that stops calling gives its core back soon.
-// How long is the job's to say: the packed matmuls and the one-call layer, which are most of
-// a step when they run, ask for kLinger; the decode attention called between XLA's own
-// matmuls (float weights) asks for kBrief, since a helper spinning beside XLA's threads slowed
-// the f32 model's throughput by 7%. All kernels share the one team (the library is one shared
-// object), so they never spin against one another.
+// starts ~35 us later (measured inside decoder_layer.cc). A decode step whose layers are each
+// one native call (decoder_layer.cc) makes such calls back to back, each 100-200 us of work:
+// there the team's helpers, which spin for kLinger after such a job before they sleep, are
+// awake for the next one and pay no wake-up.
+//
+// Where native calls sit between XLA's own work (prefill chunks, batched steps of XLA layers,
+// a float model's attention), a spinning helper takes a core from XLA's threads: with every
+// call on the team, a float model's throughput fell 4-7% and a batch of 32 packed sequences'
+// 15%. There XLA's pool is the better helper (its threads are often awake for XLA's own ops),
+// so the matmul and attention kernels use the team only while one of its helpers is awake
+// (has_awake_helper: a one-call layer ran within kLinger, as in a decode step's head), and XLA's
+// pool otherwise.
 //
 // post(job, n, spin) hands job to up to n helpers and returns at once; the caller works too,
 // and the job's own counters say when its work is done (each kernel splits its work into
 // chunks taken from an atomic counter, so a helper that starts late finds nothing left and
-// only returns).
-// A child process forked from one with a team has none (its threads were not forked): there
-// post() does nothing and the caller does all of the work.
+// only returns). A child process forked from one with a team has none (its threads were not
+// forked): there post() does nothing and the caller does all of the work.
 
 #ifndef PAGED_JAX_THREAD_TEAM_H_
 #define PAGED_JAX_THREAD_TEAM_H_
@@ -40,9 +42,8 @@ namespace paged_jax {
 
 class ThreadTeam {
  public:
-  // How long a helper spins after a job before it sleeps.
+  // How long a helper spins after a job (by default) before it sleeps.
   static constexpr int64_t kLinger = 1000;  // us
-  static constexpr int64_t kBrief = 20;
 
   explicit ThreadTeam(int64_t num_helpers) : num_helpers_(num_helpers) {
     for (int64_t i = 0; i < num_helpers; ++i) std::thread([this] { loop(); }).detach();
@@ -51,6 +52,10 @@ class ThreadTeam {
 
   // Helpers a call may use: one per core of this process's affinity besides the caller's.
   int64_t num_helpers() const { return forked() ? 0 : num_helpers_; }
+
+  // Whether a helper is spinning now (a job ended less than its spin time ago): a kernel that
+  // can use XLA's pool instead uses the team only then (ThreadTeam's header says why).
+  bool has_awake_helper() const { return !forked() && spinning_.load(std::memory_order_relaxed) > 0; }
 
   void post(const std::function<void()>& job, int64_t n, int64_t spin_micros) {
     if (n <= 0 || forked()) return;
@@ -62,13 +67,15 @@ class ThreadTeam {
 
  private:
   void loop() {
-    int64_t spin_micros = kBrief;  // the last job's
+    int64_t spin_micros = 0;  // the last job's
     for (;;) {
       const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_micros);
+      spinning_.fetch_add(1, std::memory_order_relaxed);
       for (int spins = 0; pending_.load(std::memory_order_acquire) == 0;) {
         _mm_pause();
         if (++spins % 64 == 0 && std::chrono::steady_clock::now() > until) break;
       }
+      spinning_.fetch_sub(1, std::memory_order_relaxed);
       Job job;
       {
         std::unique_lock<std::mutex> lock(mu_);
@@ -101,6 +108,7 @@ class ThreadTeam {
   std::condition_variable cv_;
   std::deque<Job> jobs_;
   std::atomic<int64_t> pending_{0};
+  std::atomic<int64_t> spinning_{0};
   int sleeping_ = 0;
 };
 
