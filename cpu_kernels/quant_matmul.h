@@ -169,7 +169,7 @@ void avx_q4_1_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[
   for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = tile + b * 320;
-    prefetch_ahead<320>(p);
+    if (i0 == 0) prefetch_ahead<320>(p);  // later row passes find the tile in cache
     const __m512 d = load_f16x16(p), m = load_f16x16(p + 32);
     // Four chains a row (low / high nibbles, even / odd bytes) so FMAs do not wait on each other.
     __m512 part[r][4];
@@ -203,7 +203,7 @@ void avx_q8_0_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[
   for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = tile + b * 544;
-    prefetch_ahead<544>(p);
+    if (i0 == 0) prefetch_ahead<544>(p);  // later row passes find the tile in cache
     const __m512 d = load_f16x16(p);
     __m512 part[r][2];
     for (int i = 0; i < r; ++i) part[i][0] = part[i][1] = _mm512_setzero_ps();
@@ -239,7 +239,7 @@ void avx2_q4_1_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)
     for (int i = 0; i < r; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = tile + b * 320;
-      prefetch_ahead<320>(p);
+      if (i0 == 0) prefetch_ahead<320>(p);  // later row passes find the tile in cache
       const __m256 d = load_f16x8(p + 16 * h), m = load_f16x8(p + 32 + 16 * h);
       __m256 part[r][2];
       for (int i = 0; i < r; ++i) part[i][0] = part[i][1] = _mm256_setzero_ps();
@@ -273,7 +273,7 @@ void avx2_q8_0_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)
     for (int i = 0; i < r; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = tile + b * 544;
-      prefetch_ahead<544>(p);
+      if (i0 == 0) prefetch_ahead<544>(p);  // later row passes find the tile in cache
       const __m256 d = load_f16x8(p + 16 * h);
       __m256 part[r][2];
       for (int i = 0; i < r; ++i) part[i][0] = part[i][1] = _mm256_setzero_ps();
@@ -317,7 +317,7 @@ void avx2_q4_1_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[
     for (int i = 0; i < r; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = tile + b * 320;
-      prefetch_ahead<320>(p);
+      if (i0 == 0) prefetch_ahead<320>(p);  // later row passes find the tile in cache
       const __m256 d = load_f16x8(p + 16 * h), m = load_f16x8(p + 32 + 16 * h);
       __m256i dot[r];
       for (int i = 0; i < r; ++i) dot[i] = _mm256_setzero_si256();
@@ -352,7 +352,7 @@ void avx2_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[
     for (int i = 0; i < r; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* p = tile + b * 544;
-      prefetch_ahead<544>(p);
+      if (i0 == 0) prefetch_ahead<544>(p);  // later row passes find the tile in cache
       const __m256 d = load_f16x8(p + 16 * h);
       __m256i dot[r];
       for (int i = 0; i < r; ++i) dot[i] = _mm256_setzero_si256();
@@ -390,7 +390,7 @@ void avx_q4_1_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[k
   for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = tile + b * 320;
-    prefetch_ahead<320>(p);
+    if (i0 == 0) prefetch_ahead<320>(p);  // later row passes find the tile in cache
     const __m512 d = load_f16x16(p), m = load_f16x16(p + 32);
     __m512i dot[r];
     for (int i = 0; i < r; ++i) dot[i] = _mm512_setzero_si512();
@@ -421,7 +421,7 @@ void avx_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[k
   for (int i = 0; i < r; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = tile + b * 544;
-    prefetch_ahead<544>(p);
+    if (i0 == 0) prefetch_ahead<544>(p);  // later row passes find the tile in cache
     const __m512 d = load_f16x16(p);
     __m512i dot[r];
     for (int i = 0; i < r; ++i) dot[i] = _mm512_setzero_si512();
