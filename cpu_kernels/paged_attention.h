@@ -63,20 +63,31 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// Each of `rows` rows of len scores becomes its softmax, in place.
-inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+// Each of `rows` rows of len scores becomes exp(score - m) in place, with m[g] its row's
+// largest score and l[g] the sum of the row's exps (softmax's numerator and denominator).
+inline void exp_rows(float* scores, int64_t rows, int64_t len, float* m, float* l) {
   for (int64_t g = 0; g < rows; ++g) {
     float* p = scores + g * len;
-    float m = p[0];
-    for (int64_t t = 1; t < len; ++t) m = std::max(m, p[t]);
+    float mx = p[0];
+    for (int64_t t = 1; t < len; ++t) mx = std::max(mx, p[t]);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < len; ++t) {
-      p[t] = exp_nonpositive(p[t] - m);
+      p[t] = exp_nonpositive(p[t] - mx);
       sum += p[t];
     }
-    const float inv = 1.0f / sum;
-    for (int64_t t = 0; t < len; ++t) p[t] *= inv;
+    m[g] = mx;
+    l[g] = sum;
+  }
+}
+
+// Each of `rows` rows of len scores becomes its softmax, in place.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  std::vector<float> stats(2 * rows);
+  exp_rows(scores, rows, len, stats.data(), stats.data() + rows);
+  for (int64_t g = 0; g < rows; ++g) {
+    const float inv = 1.0f / stats[rows + g];
+    for (int64_t t = 0; t < len; ++t) scores[g * len + t] *= inv;
   }
 }
 
@@ -103,34 +114,38 @@ inline int64_t first_key(const Job<KV>& job, int64_t len) {
   return job.window > 0 ? std::max<int64_t>(0, len - job.window) : 0;
 }
 
+// Attention of one (sequence, KV head) over its keys k0 .. k1 - 1, unnormalized: for each of
+// its query heads g, m[g] the largest score, l[g] the sum of exp(score - m[g]) and o[g] the
+// values weighted by those exps. run_task divides o by l; decoder_layer.cc merges the partial
+// results of several key ranges of one task (flash-decoding) when a lone sequence's few tasks
+// would leave a thread idle.
 template <typename KV>
-void run_task(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
-  const int64_t row = job.qsl[seq], end = job.seq_lens[seq], g_num = job.group, dim = job.dim;
+void attend_keys(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1, std::vector<float>& scores,
+                 float* m, float* l, float* o) {
+  const int64_t row = job.qsl[seq], bs = job.block_size, g_num = job.group, dim = job.dim, len = k1 - k0;
   const int64_t hq = job.hkv * g_num;
-  const int64_t first = first_key(job, end), len = end - first;  // scores[g * len + i] is key first + i
   const float* q = job.q + (row * hq + h * g_num) * dim;  // this KV head's query heads, back to back
   const int32_t* table = job.tables + seq * job.width;
-  scores.resize(g_num * len);
-  for (int64_t t = first; t < end; ++t) {
-    const KV* key = job.k + ((int64_t(table[t / job.block_size]) * job.block_size + t % job.block_size) * job.hkv + h) * dim;
+  scores.resize(g_num * len);  // scores[g * len + i] is key k0 + i
+  for (int64_t t = k0; t < k1; ++t) {
+    const KV* key = job.k + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
     for (int64_t g = 0; g < g_num; ++g) {
       const float* qg = q + g * dim;
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t d = 0; d < dim; ++d) s += qg[d] * to_f32(key[d]);
-      scores[g * len + t - first] = s * job.scale;
+      float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t d = 0; d < dim; ++d) acc += qg[d] * to_f32(key[d]);
+      scores[g * len + t - k0] = acc * job.scale;
     }
   }
-  float* out = job.out + (row * hq + h * g_num) * dim;
-  softmax_rows(scores.data(), g_num, len);
-  std::fill(out, out + g_num * dim, 0.0f);
-  for (int64_t t = first; t < end; ++t) {
-    const KV* value = job.v + ((int64_t(table[t / job.block_size]) * job.block_size + t % job.block_size) * job.hkv + h) * dim;
+  exp_rows(scores.data(), g_num, len, m, l);
+  std::fill(o, o + g_num * dim, 0.0f);
+  for (int64_t t = k0; t < k1; ++t) {
+    const KV* value = job.v + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
     for (int64_t g = 0; g < g_num; ++g) {
-      const float p = scores[g * len + t - first];
-      float* o = out + g * dim;
+      const float p = scores[g * len + t - k0];
+      float* og = o + g * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) o[d] += p * to_f32(value[d]);
+      for (int64_t d = 0; d < dim; ++d) og[d] += p * to_f32(value[d]);
     }
   }
 }
@@ -141,62 +156,82 @@ inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// run_task with kG query heads per KV head and head_dim 16 * kC held in registers (the
+// attend_keys with kG query heads per KV head and head_dim 16 * kC held in registers (the
 // generic loops' per-key loop set-up cost more than their arithmetic at head_dim 64).
 template <typename KV, int kG, int kC>
-void run_task_avx512(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
-  const int64_t row = job.qsl[seq], end = job.seq_lens[seq], bs = job.block_size;
-  const int64_t hq = job.hkv * kG, dim = 16 * kC;
-  const int64_t first = first_key(job, end), len = end - first;  // scores[g * len + i] is key first + i
+void attend_keys_avx512(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1,
+                        std::vector<float>& scores, float* m, float* l, float* o) {
+  const int64_t row = job.qsl[seq], bs = job.block_size, len = k1 - k0, dim = 16 * kC, hq = job.hkv * kG;
   const float* q = job.q + (row * hq + h * kG) * dim;
   const int32_t* table = job.tables + seq * job.width;
   scores.resize(kG * len);
   __m512 qv[kG][kC];
   for (int g = 0; g < kG; ++g)
     for (int c = 0; c < kC; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim + 16 * c), _mm512_set1_ps(job.scale));
-  for (int64_t t = first; t < end; ++t) {
+  for (int64_t t = k0; t < k1; ++t) {
     const KV* key = job.k + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
     __m512 kv[kC];
     for (int c = 0; c < kC; ++c) kv[c] = load16(key + 16 * c);
     for (int g = 0; g < kG; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int c = 1; c < kC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-      scores[g * len + t - first] = _mm512_reduce_add_ps(acc);
+      scores[g * len + t - k0] = _mm512_reduce_add_ps(acc);
     }
   }
-  softmax_rows(scores.data(), kG, len);
-  __m512 o[kG][kC];
+  exp_rows(scores.data(), kG, len, m, l);
+  __m512 ov[kG][kC];
   for (int g = 0; g < kG; ++g)
-    for (int c = 0; c < kC; ++c) o[g][c] = _mm512_setzero_ps();
-  for (int64_t t = first; t < end; ++t) {
+    for (int c = 0; c < kC; ++c) ov[g][c] = _mm512_setzero_ps();
+  for (int64_t t = k0; t < k1; ++t) {
     const KV* value = job.v + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
     __m512 vv[kC];
     for (int c = 0; c < kC; ++c) vv[c] = load16(value + 16 * c);
     for (int g = 0; g < kG; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * len + t - first]);
-      for (int c = 0; c < kC; ++c) o[g][c] = _mm512_fmadd_ps(p, vv[c], o[g][c]);
+      const __m512 p = _mm512_set1_ps(scores[g * len + t - k0]);
+      for (int c = 0; c < kC; ++c) ov[g][c] = _mm512_fmadd_ps(p, vv[c], ov[g][c]);
     }
   }
-  float* out = job.out + (row * hq + h * kG) * dim;
   for (int g = 0; g < kG; ++g)
-    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(out + g * dim + 16 * c, o[g][c]);
+    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(o + g * dim + 16 * c, ov[g][c]);
 }
 
 template <typename KV, int kC>
-bool dispatch_group(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
+bool attend_keys_group(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1,
+                       std::vector<float>& scores, float* m, float* l, float* o) {
   switch (job.group) {
-    case 1: run_task_avx512<KV, 1, kC>(job, seq, h, scores); return true;
-    case 2: run_task_avx512<KV, 2, kC>(job, seq, h, scores); return true;
-    case 3: run_task_avx512<KV, 3, kC>(job, seq, h, scores); return true;
-    case 4: run_task_avx512<KV, 4, kC>(job, seq, h, scores); return true;
-    case 5: run_task_avx512<KV, 5, kC>(job, seq, h, scores); return true;
-    case 6: run_task_avx512<KV, 6, kC>(job, seq, h, scores); return true;
-    case 7: run_task_avx512<KV, 7, kC>(job, seq, h, scores); return true;
-    case 8: run_task_avx512<KV, 8, kC>(job, seq, h, scores); return true;
+#define PJ_GROUP(g) \
+  case g: attend_keys_avx512<KV, g, kC>(job, seq, h, k0, k1, scores, m, l, o); return true;
+    PJ_GROUP(1) PJ_GROUP(2) PJ_GROUP(3) PJ_GROUP(4) PJ_GROUP(5) PJ_GROUP(6) PJ_GROUP(7) PJ_GROUP(8)
+#undef PJ_GROUP
     default: return false;
   }
 }
 #endif
+
+// attend_keys on the fastest loops this build has for the shape.
+template <typename KV>
+void attend_keys_any(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1, std::vector<float>& scores,
+                     float* m, float* l, float* o) {
+#if defined(__AVX512F__)
+  if (job.dim == 64 && attend_keys_group<KV, 4>(job, seq, h, k0, k1, scores, m, l, o)) return;
+  if (job.dim == 128 && attend_keys_group<KV, 8>(job, seq, h, k0, k1, scores, m, l, o)) return;
+#endif
+  attend_keys(job, seq, h, k0, k1, scores, m, l, o);
+}
+
+// The attention of one (sequence, KV head): its keys in one range, the outputs divided by l.
+template <typename KV>
+void run_task(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
+  const int64_t end = job.seq_lens[seq], g_num = job.group, dim = job.dim, hq = job.hkv * g_num;
+  float* out = job.out + (job.qsl[seq] * hq + h * g_num) * dim;
+  std::vector<float> stats(2 * g_num);  // m, then l
+  attend_keys_any(job, seq, h, first_key(job, end), end, scores, stats.data(), stats.data() + g_num, out);
+  for (int64_t g = 0; g < g_num; ++g) {
+    const float inv = 1.0f / stats[g_num + g];
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] *= inv;
+  }
+}
+
 
 #if defined(__AVX2__) && defined(__FMA__)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
@@ -285,13 +320,11 @@ bool dispatch_group_avx2(const Job<KV>& job, int64_t seq, int64_t h, std::vector
 }
 #endif
 
-// The task on the fastest loops this build has for its shape.
+// The task on the fastest loops this build has for its shape (run_task dispatches the
+// AVX-512 ones; AVX2 has loops of its own for a whole task).
 template <typename KV>
 void run_any(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
-#if defined(__AVX512F__)
-  if (job.dim == 64 && dispatch_group<KV, 4>(job, seq, h, scores)) return;
-  if (job.dim == 128 && dispatch_group<KV, 8>(job, seq, h, scores)) return;
-#elif defined(__AVX2__) && defined(__FMA__)
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
   if (job.dim == 64 && dispatch_group_avx2<KV, 8>(job, seq, h, scores)) return;
   if (job.dim == 128 && dispatch_group_avx2<KV, 16>(job, seq, h, scores)) return;
 #endif
