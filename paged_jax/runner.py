@@ -12,7 +12,10 @@ penalties) before sampling, which a step runs only when one of its sequences nee
 free steps never carry a mask. Compiling a few layers instead of a program with
 every layer unrolled is what makes start-up fast; each call costs a little on the host and
 in the runtime, so groups are as large as divide the layer count up to 6
-(docs/BENCHMARKS.md, section 10, measures both). A lax.scan over stacked weights compiled
+(docs/BENCHMARKS.md, section 10, measures both). The exception is a small bucket on the CPU
+whose layers are each one native call (cpu_kernels/decoder_layer.py): such a program compiles
+in no time whatever its length, so those buckets run every layer in one (LayerGroups,
+ModelRunner.layer_groups). A lax.scan over stacked weights compiled
 as fast but copied each layer's weights out of the stack on XLA:CPU, and would put every
 cache in one buffer that the loop reads while updating (openxla/xla#45912).
 
@@ -35,6 +38,7 @@ own bucket, since every process must run the same program.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +67,46 @@ def _default_layers_per_program(num_layers: int) -> int:
     """Consecutive layers one compiled layer program runs: the largest of 6..2 that divides
     num_layers (every call then runs the same program), else 1 (module docstring: the costs)."""
     return next((k for k in (6, 5, 4, 3, 2) if num_layers % k == 0), 1)
+
+
+class LayerGroups(NamedTuple):
+    """The model's layers as consecutive runs of `size`, each run one call of a layer program.
+
+    Runs of the same kind share one compiled program; a model whose layers differ
+    (DeepSeek-V2's dense first layers before its MoE ones; a GGUF whose layers mix block
+    formats, as Q4_K_M files do) gets one per kind of run. A kind is its layers' graphs,
+    weight shapes and dtypes, KV-cache groups (which table each reads) and caches (which of
+    the program's caches each writes).
+    """
+
+    size: int
+    tensors: list[tuple[int, ...]]  # per run: the caches it takes (donated), in order of first use
+    kind_of: list[int]              # per run: its kind (an index into kinds)
+    kinds: list[tuple]              # the distinct kinds, first seen first
+    leaves: list[list]              # per run: its layers' weights, flat
+    treedefs: list                  # per kind: the structure of its weights
+    layer_inputs: list[dict]        # per run: its slice of the pool's layer inputs (sliced once)
+
+    @classmethod
+    def of(cls, graphdefs, layer_params, layer_group, layer_tensor, pool_layer_inputs, first_layer: int,
+           size: int) -> LayerGroups:
+        """Runs of `size` layers (a divisor of their count). layer_group / layer_tensor: each
+        layer's KV-cache group and cache (KVPool); a cache shared by several layers of a run
+        is taken once."""
+        starts = range(0, len(layer_params), size)
+        tensors = [tuple(dict.fromkeys(layer_tensor[i : i + size])) for i in starts]
+        weight_types = [tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(params))
+                        for params in layer_params]
+        run_kinds = [(tuple(graphdefs[i : i + size]), tuple(layer_group[i : i + size]),
+                      tuple(run.index(t) for t in layer_tensor[i : i + size]), tuple(weight_types[i : i + size]))
+                     for i, run in zip(starts, tensors)]
+        kinds = list(dict.fromkeys(run_kinds))
+        kind_of = [kinds.index(kind) for kind in run_kinds]
+        runs = [layer_params[i : i + size] for i in starts]
+        return cls(size, tensors, kind_of, kinds, [jax.tree.leaves(run) for run in runs],
+                   [jax.tree.structure(runs[kind_of.index(kind)]) for kind in range(len(kinds))],
+                   [{name: a[first_layer + i : first_layer + i + size] for name, a in pool_layer_inputs.items()}
+                    for i in starts])
 
 
 def pack_step_inputs(inputs: StepInputs) -> np.ndarray:
@@ -157,29 +201,10 @@ class ModelRunner:
         if not 1 <= layers_per_program <= num_layers or num_layers % layers_per_program:
             raise ValueError(f"layers_per_program={layers_per_program} must divide the model's {num_layers} layers "
                              f"(1..{num_layers}; {num_layers} compiles them all into one program), or be None")
-        self.layers_per_program = k = layers_per_program
-        # The layers' weights stay one buffer per layer (no stacked copy). Groups of layers
-        # with the same graphs share one compiled program; a model whose layers differ
-        # (DeepSeek-V2's dense first layers before its MoE ones; a GGUF whose layers mix block
-        # formats, as Q4_K_M files do) gets one per kind of group. A program's kind is its
-        # layers' graphs, weight shapes and dtypes, KV-cache groups (which table each reads)
-        # and caches (which of the program's caches each writes).
-        graphdefs = [nnx.graphdef(layer) for layer in model.layers]
-        self.layer_params = [nnx.state(layer) for layer in model.layers]
-        weight_types = [tuple((tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(params))
-                        for params in self.layer_params]
-        # The caches a program takes (donated), in order of first use by its layers: one per
-        # layer, or fewer where KV-cache groups share them (KVPool.layer_tensor).
-        self._program_tensors = [tuple(dict.fromkeys(layer_tensor[i : i + k])) for i in range(0, num_layers, k)]
-        kinds = [(tuple(graphdefs[i : i + k]), tuple(layer_group[i : i + k]),
-                  tuple(tensors.index(t) for t in layer_tensor[i : i + k]), tuple(weight_types[i : i + k]))
-                 for i, tensors in zip(range(0, num_layers, k), self._program_tensors)]
-        self._group_graphdefs = list(dict.fromkeys(kinds))  # distinct kinds of group, first seen first
-        self._group_kind = [self._group_graphdefs.index(kind) for kind in kinds]
-        # Each group's layer inputs (a quantized pool's static inputs), sliced once, not per step.
-        self._group_layer_inputs = [{name: a[first_layer + i : first_layer + i + k]
-                                     for name, a in pool.layer_inputs.items()} for i in range(0, num_layers, k)]
+        self.layers_per_program = layers_per_program
         self.graphdef, self._all_layer_params, self.head_params = nnx.split(model, nnx.PathContains("layers"), ...)
+        # The layers' weights stay one buffer per layer (no stacked copy).
+        self.layer_params = [nnx.state(layer) for layer in model.layers]
         if mesh is not None:
             # New arrays on the mesh (no-ops for weights a loader already placed there); the
             # model object keeps its own, so data-parallel replicas can share one model.
@@ -190,10 +215,17 @@ class ModelRunner:
         # time): flattening nnx States on every call cost ~0.2 ms a program (jax's
         # ParseArguments, docs/BENCHMARKS.md section 18).
         self._head_leaves, self._head_treedef = jax.tree.flatten(self.head_params)
-        groups = [self.layer_params[i : i + k] for i in range(0, num_layers, k)]
-        self._layer_leaves = [jax.tree.leaves(group) for group in groups]
-        self._kind_treedefs = [jax.tree.structure(groups[self._group_kind.index(kind)])
-                               for kind in range(len(self._group_graphdefs))]
+        groups = functools.partial(LayerGroups.of, [nnx.graphdef(layer) for layer in model.layers], self.layer_params,
+                                   layer_group, layer_tensor, pool.layer_inputs, first_layer)
+        self._groups = groups(layers_per_program)
+        # Buckets of whole native layers run every layer in one program: its calls cost no
+        # compile time to speak of, and each program call costs ~0.1 ms on the host and in
+        # the runtime (docs/BENCHMARKS.md section 18, sixth pass).
+        self._native_groups = None
+        if self._native_layers and all(
+                getattr(layer, "native_weights", lambda cache: None)(pool.abstract_caches[t]) is not None
+                for layer, t in zip(model.layers, layer_tensor)):
+            self._native_groups = self._groups if layers_per_program == num_layers else groups(num_layers)
         self.num_steps = 0
         spec_config = engine.spec_config
         self.num_spec_tokens = 0 if spec_config is None else spec_config.num_speculative_tokens
@@ -208,6 +240,14 @@ class ModelRunner:
         """The pool's caches, one per layer unless KV-cache groups share them
         (KVPool.layer_tensor): what every step donates and gets back."""
         return self.pool.kv_caches
+
+    def layer_groups(self, num_tokens: int) -> LayerGroups:
+        """How a step of num_tokens (its token bucket) runs the layers: every layer in one
+        program where each is one native call (buckets of <= decoder_layer.MAX_TOKENS on the
+        CPU), else runs of layers_per_program."""
+        if self._native_groups is not None and num_tokens <= decoder_layer.MAX_TOKENS:
+            return self._native_groups
+        return self._groups
 
     @property
     def num_compilations(self) -> int:
@@ -260,17 +300,17 @@ class ModelRunner:
     def _embed_fn(self, head_params, token_ids):
         return self._model(head_params).embed(token_ids)
 
-    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata: StepAttentionMetadata, kind=None,
+    def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata: StepAttentionMetadata, kind,
                   layer_inputs=None):
-        """layers_per_program consecutive layers: their params are a list, kv_caches the caches
-        they keep their pages in (one per layer, or fewer when groups share them); kind
-        (static) is their (graphs, KV-cache groups, cache of each, weight types), by default
-        those of the first program; each layer reads its group's view of attn_metadata, calls
-        its group's backend and writes its cache (a shared cache passes from layer to layer, updated in
-        place); layer_inputs, a dict of arrays with a leading layer axis (self.layer_inputs
-        sliced), what the attention backend binds per layer."""
+        """A run of consecutive layers (LayerGroups): their params are a list, kv_caches the
+        caches they keep their pages in (one per layer, or fewer when groups share them); kind
+        (static) is their (graphs, KV-cache groups, cache of each, weight types); each layer
+        reads its group's view of attn_metadata, calls its group's backend and writes its cache
+        (a shared cache passes from layer to layer, updated in place); layer_inputs, a dict of
+        arrays with a leading layer axis (the pool's layer inputs sliced), what the attention
+        backend binds per layer."""
         new_caches = list(kv_caches)
-        graphdefs, kv_groups, cache_ids, _ = kind if kind is not None else self._group_graphdefs[0]
+        graphdefs, kv_groups, cache_ids, _ = kind
         views = {g: attn_metadata.for_group(g) for g in set(kv_groups)}
         # A small bucket on the CPU: a layer that can be one native call is one (decoder_layer.py).
         rows = None
@@ -280,8 +320,9 @@ class ModelRunner:
                     for g, view in views.items()}
         for i, (graphdef, group, params, c) in enumerate(zip(graphdefs, kv_groups, layer_params, cache_ids)):
             layer = nnx.merge(graphdef, params)
-            native_call = getattr(layer, "native_call", None) if rows is not None else None
-            out = native_call and native_call(x, positions, new_caches[c], views[group], rows[group])
+            out = None
+            if rows is not None and hasattr(layer, "native_call"):
+                out = layer.native_call(x, positions, new_caches[c], views[group], rows[group])
             if out is None:
                 attention = bind_layer(self.attention_backends[group], layer_inputs, i)
                 out = layer(x, positions, new_caches[c], views[group], attention)
@@ -338,10 +379,13 @@ class ModelRunner:
         def embed_fn(head_leaves, packed):
             return self._embed_fn(head_params_of(head_leaves), unpack_step_inputs(packed, like).model.token_ids)
 
-        def layer_fn(layer_leaves, x, kv_caches, packed, layer_inputs, kind):
+        groups = self.layer_groups(num_tokens)
+
+        def layer_fn(layer_leaves, x, kv_caches, packed, layer_inputs, index):
             inputs = unpack_step_inputs(packed, like)
-            layer_params = jax.tree.unflatten(self._kind_treedefs[self._group_graphdefs.index(kind)], layer_leaves)
-            return self._layer_fn(layer_params, x, kv_caches, inputs.model.positions, inputs.attention, kind,
+            layer_params = jax.tree.unflatten(groups.treedefs[index], layer_leaves)
+            return self._layer_fn(layer_params, x, kv_caches, inputs.model.positions, inputs.attention,
+                                  groups.kinds[index],
                                   layer_inputs)
 
         def head_fn(head_leaves, x, packed):
@@ -351,18 +395,17 @@ class ModelRunner:
         embed = self._jit(embed_fn, rep).lower(head_params, packed).compile()
         x = jax.eval_shape(embed_fn, head_params, packed)
         x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
-        k = self.layers_per_program
-        layer_inputs = abstract(self._group_layer_inputs[0])
-        layers = []  # one program per kind of layer group
-        for index, kind in enumerate(self._group_graphdefs):
-            program_id = self._group_kind.index(index)
-            tensors = self._program_tensors[program_id]
+        layer_inputs = abstract(groups.layer_inputs[0])
+        layers = []  # one program per kind of run
+        for index in range(len(groups.kinds)):
+            run = groups.kind_of.index(index)
+            tensors = groups.tensors[run]
             caches_out = None if self.mesh is None else [cache_shardings(self.pool.tensor_specs[t], self.mesh)
                                                          for t in tensors]
-            program = self._jit(functools.partial(layer_fn, kind=kind), (rep, caches_out),
+            program = self._jit(functools.partial(layer_fn, index=index), (rep, caches_out),
                                 donate_argnums=(2,))
             # Shapes only: the warm-up thread must not read the live caches the steps donate.
-            layers.append(program.lower(abstract(self._layer_leaves[program_id]), x,
+            layers.append(program.lower(abstract(groups.leaves[run]), x,
                                         [self.pool.abstract_caches[t] for t in tensors], packed,
                                         layer_inputs).compile())
         head = self._jit(head_fn, (rep, rep)).lower(head_params, x, packed).compile()
@@ -452,10 +495,11 @@ class ModelRunner:
             packed = put_replicated(packed, self.mesh)
         x = embed(self._head_leaves, packed)
         kv_caches = self.pool.kv_caches
-        for p, tensors in enumerate(self._program_tensors):
-            layer = layers[self._group_kind[p]]  # the program of this group's kind of layers
-            x, caches = layer(self._layer_leaves[p], x, [kv_caches[t] for t in tensors], packed,
-                              self._group_layer_inputs[p])
+        groups = self.layer_groups(run_shape[0])
+        for run, tensors in enumerate(groups.tensors):
+            layer = layers[groups.kind_of[run]]  # the program of this run's kind of layers
+            x, caches = layer(groups.leaves[run], x, [kv_caches[t] for t in tensors], packed,
+                              groups.layer_inputs[run])
             for t, cache in zip(tensors, caches):
                 kv_caches[t] = cache
         put = jax.device_put if self.mesh is None else functools.partial(put_replicated, mesh=self.mesh)
@@ -500,8 +544,9 @@ class ModelRunner:
     def compiled_memory(self, num_tokens: int, num_seqs: int) -> dict:
         """Memory analysis of one bucket's programs (tests use it to show that the donated caches
         are updated in place): {"embed", "layer", "head"} -> CompiledMemoryStats. The layer
-        program runs once per group of layers_per_program layers, on their caches; "layers" lists
-        the program of every kind of group (layers of different structure), "layer" is the first."""
+        program runs once per run of layers (layer_groups(num_tokens)), on their caches; "layers"
+        lists the program of every kind of run (layers of different structure), "layer" is the
+        first."""
         embed, layers, head, *_ = self._programs_for((num_tokens, num_seqs))
         return {"embed": embed.memory_analysis(), "layer": layers[0].memory_analysis(),
                 "layers": [layer.memory_analysis() for layer in layers], "head": head.memory_analysis()}

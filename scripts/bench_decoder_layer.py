@@ -40,8 +40,9 @@ def _stack(rng, fmt: str):
                             jnp.ones(D), weight(F, D), weight(F, D), weight(D, F)) for _ in range(LAYERS)]
 
 
-def time_stack(layers, context: int, activations: str, repeats: int) -> float:
-    """Median seconds of one call of the 30-layer program, one token at `context` keys."""
+def time_stack(layers, context: int, activations: str, repeats: int, evict: np.ndarray | None = None) -> float:
+    """Median seconds of one call of the 30-layer program, one token at `context` keys; with
+    `evict`, an array read before each call (so the weights come from memory, not the cache)."""
     import jax
     import jax.numpy as jnp
 
@@ -73,6 +74,8 @@ def time_stack(layers, context: int, activations: str, repeats: int) -> float:
         y.block_until_ready()
     times = []
     for _ in range(repeats):
+        if evict is not None:
+            evict.sum()
         t = time.perf_counter()
         y, caches = step(x, caches)
         y.block_until_ready()
@@ -85,6 +88,8 @@ def main():
     parser.add_argument("--contexts", type=int, nargs="+", default=[1, 300, 1000])
     parser.add_argument("--activations", nargs="+", default=["int8", "float32"])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--evict-mb", type=int, default=512,
+                        help="the 'cold' rows read an array this large before each call (0: warm rows only)")
     parser.add_argument("--quick", action="store_true", help="one context, 5 repeats (a smoke run)")
     parser.add_argument("--out", default=None, help="default: results/bench_decoder_layer[_quick].json")
     args = parser.parse_args()
@@ -98,22 +103,30 @@ def main():
     weight_bytes = sum(w.data.nbytes for layer in layers for w in layer if isinstance(w, dl.Weight))
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; {LAYERS} layers, "
           f"{weight_bytes / 1e6:.1f} MB of q4_1 weights")
-    print("| context | activations | ms (30 layers) | us a layer | MB read | GB/s |")
-    print("|---|---|---|---|---|---|")
+    # warm: calls back to back, so much of the stack can stay in a large last-level cache;
+    # cold: after reading --evict-mb of other memory, as in an engine step (whose head and host
+    # work come between two layer passes), the weights come from memory.
+    evictions = {"warm": None}
+    if args.evict_mb:
+        evictions["cold"] = np.ones(args.evict_mb * 2**20 // 4, np.float32)
+    print("| context | activations | cache | ms (30 layers) | us a layer | MB read | GB/s |")
+    print("|---|---|---|---|---|---|---|")
     rows = []
     for context in args.contexts:
         for activations in args.activations:
-            seconds = time_stack(layers, context, activations, args.repeats)
-            kv_bytes = LAYERS * context * HKV * H * 4 * 2
-            read = weight_bytes + kv_bytes
-            rows.append(dict(context=context, activations=activations, ms=seconds * 1e3, read_mb=read / 1e6,
-                             gb_per_s=read / seconds / 1e9))
-            print(f"| {context} | {activations} | {seconds * 1e3:.2f} | {seconds / LAYERS * 1e6:.0f} | "
-                  f"{read / 1e6:.1f} | {read / seconds / 1e9:.1f} |", flush=True)
+            for cache, evict in evictions.items():
+                seconds = time_stack(layers, context, activations, args.repeats, evict)
+                kv_bytes = LAYERS * context * HKV * H * 4 * 2
+                read = weight_bytes + kv_bytes
+                rows.append(dict(context=context, activations=activations, cache=cache, ms=seconds * 1e3,
+                                 read_mb=read / 1e6, gb_per_s=read / seconds / 1e9))
+                print(f"| {context} | {activations} | {cache} | {seconds * 1e3:.2f} | {seconds / LAYERS * 1e6:.0f} | "
+                      f"{read / 1e6:.1f} | {read / seconds / 1e9:.1f} |", flush=True)
     out = args.out or os.path.join("results", "bench_decoder_layer" + ("_quick" if args.quick else "") + ".json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as fh:
-        json.dump(dict(rows=rows, weight_mb=weight_bytes / 1e6, repeats=args.repeats), fh, indent=1)
+        json.dump(dict(rows=rows, weight_mb=weight_bytes / 1e6, repeats=args.repeats, evict_mb=args.evict_mb), fh,
+              indent=1)
 
 
 if __name__ == "__main__":

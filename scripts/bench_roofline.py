@@ -173,7 +173,7 @@ def decode_requirements(engine, context: int, gguf_path: str) -> dict:
         "gguf": gguf_bytes(gguf_path),
         "kv_bytes_per_token": kv_per_token, "kv_live_bytes": kv_per_token * context,
         "flops": useful_flops(shape, 1, context, 1),
-        "per_layer_program_bytes": layers // (len(runner.layer_params) // runner.layers_per_program),
+        "per_layer_program_bytes": layers // len(runner.layer_groups(1).tensors),  # a decode bucket's runs
     }
 
 
@@ -252,11 +252,12 @@ class TimedStep:
         lap("host: pack + device_put")
         x = embed(r._head_leaves, packed).block_until_ready()
         lap("embed")
-        kv_caches, k = r.pool.kv_caches, r.layers_per_program
-        for i in range(0, len(kv_caches), k):
-            layer = layers[r._group_kind[i // k]]
-            x, kv_caches[i : i + k] = layer(r._layer_leaves[i // k], x, kv_caches[i : i + k], packed,
-                                            r._group_layer_inputs[i // k])
+        kv_caches, groups = r.pool.kv_caches, r.layer_groups(shape[0])
+        k = groups.size
+        for run, i in enumerate(range(0, len(kv_caches), k)):
+            layer = layers[groups.kind_of[run]]
+            x, kv_caches[i : i + k] = layer(groups.leaves[run], x, kv_caches[i : i + k], packed,
+                                            groups.layer_inputs[run])
             jax.block_until_ready((x, kv_caches[i : i + k]))
             lap(f"layers {i}-{i + k - 1}")
         token_ids, logprobs = head(r._head_leaves, x, packed)
@@ -414,7 +415,7 @@ def measure(args) -> dict:
         "runs": runs, "median_step_s": step_s, "tok_per_s": 1 / step_s, "new_tokens": args.new_tokens,
         "context": args.context, "engine_load_s": load_s, "compile_s": compile_s,
         "first_run_s": first_run_s,
-        "layers_per_program": engine.runner.layers_per_program, "num_layers": engine.model.config.num_layers,
+        "layers_per_program": engine.runner.layer_groups(1).size, "num_layers": engine.model.config.num_layers,
         "max_model_len": engine.max_model_len, "num_blocks": engine.cache_config.num_blocks,
         "block_size": engine.cache_config.block_size, "attention_impl": engine.runner.attention_impl,
         "dtype": str(engine.model.config.dtype)},

@@ -40,7 +40,7 @@ def test_greedy_equals_transformers_under_preemption_and_prefix_caching(tmp_path
     llm = LLM(str(tmp_path), block_size=8, num_blocks=12, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=32, layers_per_program=1, warm_up="full")
     assert llm.engine.runner.pool.specs[0].kv_lora_rank == 32
-    assert len(llm.engine.runner._group_graphdefs) == 2, "a dense and a MoE layer program"
+    assert len(llm.engine.runner.layer_groups(1).kinds) == 2, "a dense and a MoE layer program"
     outputs = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
                                      for m in max_tokens], use_tqdm=False)
     assert [o.token_ids for o in outputs] == expected

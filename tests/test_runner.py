@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import math
 import threading
 
@@ -159,8 +160,9 @@ def test_donated_caches_update_in_place():
 
     inputs = runner.dummy_inputs(64, 8)
     x = jax.ShapeDtypeStruct((64, config.hidden_size), config.dtype)
-    copying = jax.jit(runner._layer_fn).lower(runner.layer_params[:k], x, runner.kv_caches[:k],
-                                             inputs.model.positions, inputs.attention)
+    layer_fn = functools.partial(runner._layer_fn, kind=runner.layer_groups(64).kinds[0])
+    copying = jax.jit(layer_fn).lower(runner.layer_params[:k], x, runner.kv_caches[:k], inputs.model.positions,
+                                      inputs.attention)
     copied = copying.compile().memory_analysis()
     assert copied.alias_size_in_bytes == 0 and copied.output_size_in_bytes >= layer_cache_bytes
 

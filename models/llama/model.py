@@ -155,17 +155,17 @@ class DecoderLayer(PreNormBlock):
         self.mlp = mlp if mlp is not None else MLP(c.hidden_size, c.intermediate_size, param_dtype=c.param_dtype,
                                                    dtype=c.dtype, rngs=rngs)
 
-    def native_call(self, x, positions, kv_cache, attn_metadata, rows):
-        """The layer as one native call (cpu_kernels/decoder_layer.py) where it can be one, else
-        None (the caller runs it as usual): a plain Llama layer (a family that changes its
-        attention, MLP or norms keeps its own path), f32 compute, packed weights whose tiled
-        ones share one activations mode, a float (k_cache, v_cache). rows: the step's token
-        rows (paged_jax/attention/xla.py token_rows). Returns (x [T, D], kv_cache) as __call__."""
+    def native_weights(self, kv_cache) -> tuple[decoder_layer.LayerWeights, str] | None:
+        """(weights, activations) of the layer as one native call (cpu_kernels/decoder_layer.py)
+        with this kv_cache (arrays or their shapes: only dtypes are read), or None where it
+        cannot be one: a plain Llama layer (a family that changes its attention, MLP or norms
+        keeps its own path), f32 compute, packed weights whose tiled ones share one activations
+        mode, a float (k_cache, v_cache)."""
         attn, mlp = self.self_attn, self.mlp
-        c = getattr(attn, "config", None)
         if (type(attn) is not Attention or type(mlp) is not MLP or mlp.activation != "silu"
                 or type(self.input_layernorm) is not RMSNorm or type(self.post_attention_layernorm) is not RMSNorm
-                or jnp.dtype(c.dtype) != jnp.float32 or not isinstance(kv_cache, tuple) or len(kv_cache) != 2):
+                or jnp.dtype(attn.config.dtype) != jnp.float32 or not isinstance(kv_cache, (tuple, list))
+                or len(kv_cache) != 2):
             return None
         packed = [p.get_value() for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj,
                                           mlp.up_proj, mlp.down_proj)]
@@ -177,12 +177,23 @@ class DecoderLayer(PreNormBlock):
             *(decoder_layer.Weight(w.data, w.format) for w in packed[4:]))
         if len(activations) != 1 or not decoder_layer.usable(weights, kv_cache[0], *activations):
             return None
+        return weights, activations.pop()
+
+    def native_call(self, x, positions, kv_cache, attn_metadata, rows):
+        """The layer as one native call where native_weights says it can be one, else None (the
+        caller runs it as usual). rows: the step's token rows (paged_jax/attention/xla.py
+        token_rows). Returns (x [T, D], kv_cache) as __call__."""
+        native = self.native_weights(kv_cache)
+        if native is None:
+            return None
+        weights, activations = native
+        attn, c = self.self_attn, self.self_attn.config
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(
             rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))  # [T, H/2]
         out, k_cache, v_cache = decoder_layer.decoder_layer(
             x, weights, jnp.cos(angles), jnp.sin(angles), *kv_cache, attn_metadata.slot_mapping, rows,
             eps=self.input_layernorm.eps, sm_scale=attn.sm_scale, num_heads=c.num_heads,
-            intermediate_size=c.intermediate_size, sliding_window=attn.sliding_window, activations=activations.pop())
+            intermediate_size=c.intermediate_size, sliding_window=attn.sliding_window, activations=activations)
         return out.astype(x.dtype), (k_cache, v_cache)
 
 
