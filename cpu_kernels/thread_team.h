@@ -6,15 +6,18 @@
 // starts ~35 us later (measured inside decoder_layer.cc). A decode step whose layers are each
 // one native call (decoder_layer.cc) makes such calls back to back, each 100-200 us of work:
 // there the team's helpers, which spin for kLinger after such a job before they sleep, are
-// awake for the next one and pay no wake-up.
+// awake for the next one and pay no wake-up. Such a step runs all its layers in one program
+// (paged_jax/runner.py LayerGroups), so the gaps between them are a few us of XLA thunks, and a
+// short spin covers them. A longer one (1 ms) kept a core busy through the head's XLA ops and
+// the host's work for the next step: single-stream decode of SmolLM2 was 6-8% slower than with
+// 50 us (four alternating runs, docs/BENCHMARKS.md section 18, sixth pass).
 //
 // Where native calls sit between XLA's own work (prefill chunks, batched steps of XLA layers,
 // a float model's attention), a spinning helper takes a core from XLA's threads: with every
 // call on the team, a float model's throughput fell 4-7% and a batch of 32 packed sequences'
 // 15%. There XLA's pool is the better helper (its threads are often awake for XLA's own ops),
 // so the matmul and attention kernels use the team only while one of its helpers is awake
-// (has_awake_helper: a one-call layer ran within kLinger, as in a decode step's head), and XLA's
-// pool otherwise.
+// (has_awake_helper: a one-call layer ran within kLinger), and XLA's pool otherwise.
 //
 // post(job, n, spin) hands job to up to n helpers and returns at once; the caller works too,
 // and the job's own counters say when its work is done (each kernel splits its work into
@@ -43,7 +46,7 @@ namespace paged_jax {
 class ThreadTeam {
  public:
   // How long a helper spins after a job (by default) before it sleeps.
-  static constexpr int64_t kLinger = 1000;  // us
+  static constexpr int64_t kLinger = 50;  // us
 
   explicit ThreadTeam(int64_t num_helpers) : num_helpers_(num_helpers) {
     for (int64_t i = 0; i < num_helpers; ++i) std::thread([this] { loop(); }).detach();
