@@ -57,6 +57,8 @@ class LLMEngine:
         (jax.distributed) or explicit devices, the engine runs on a "tp" Mesh over them.
         """
         self.config = c = config
+        # Before anything below starts jax's backends (EngineConfig.cpu_async_dispatch).
+        jax.config.update("jax_cpu_enable_async_dispatch", c.cpu_async_dispatch)
         enable_compile_cache(c.compile_cache_dir, jax.process_count())
         self.mesh = None
         check_multiprocess_config(c.tensor_parallel_size, c.data_parallel_size)
