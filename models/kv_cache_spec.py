@@ -294,13 +294,15 @@ def check_kv_cache_groups(groups, specs) -> None:
 
 def attention_spec(num_kv_heads: int, head_dim: int, dtype: str, kv_cache_dtype: str = "auto",
                    kv_cache_scaling: str = "per_token", sliding_window: int | None = None) -> KVCacheSpec:
-    """The spec of a GQA layer for a kv_cache_dtype: FullAttentionSpec in `dtype` for "auto",
-    else a QuantizedAttentionSpec (ValueError for an unknown name, listing the choices);
-    sliding_window: None, or the layer's window (tokens a query sees, itself included)."""
+    """The spec of a GQA layer for a kv_cache_dtype: FullAttentionSpec in `dtype` for "auto" (in
+    bfloat16 for "bfloat16"), else a QuantizedAttentionSpec (ValueError for an unknown name,
+    listing the choices); sliding_window: None, or the layer's window (tokens a query sees,
+    itself included)."""
     fmt = get_kv_quant_format(kv_cache_dtype)
     check_kv_cache_scaling(kv_cache_scaling)
     if fmt is None:
-        return FullAttentionSpec(num_kv_heads, head_dim, dtype, sliding_window)
+        return FullAttentionSpec(num_kv_heads, head_dim, "bfloat16" if kv_cache_dtype == "bfloat16" else dtype,
+                                 sliding_window)
     return QuantizedAttentionSpec(num_kv_heads, head_dim, dtype, fmt.name, kv_cache_scaling, sliding_window)
 
 

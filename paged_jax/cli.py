@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from paged_jax.core.kv_quant import KV_CACHE_DTYPES, KV_CACHE_SCALINGS
+from paged_jax.core.kv_quant import KV_CACHE_DTYPES, KV_CACHE_SCALINGS, UNQUANTIZED_KV_CACHE_DTYPES
 from paged_jax.engine_args import add_engine_args, engine_config_kwargs
 from paged_jax.engine_config import CACHE, DEVICES
 
@@ -135,7 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     k.set_defaults(parser=k)
     k.add_argument("--model", default="tiny", help="as for generate")
     k.add_argument("--dtype", default=None, help="compute dtype (default: the model's)")
-    k.add_argument("--kv-cache-dtype", default="fp8", choices=[name for name in KV_CACHE_DTYPES if name != "auto"],
+    k.add_argument("--kv-cache-dtype", default="fp8",
+                   choices=[name for name in KV_CACHE_DTYPES if name not in UNQUANTIZED_KV_CACHE_DTYPES],
                    help="the format per-tensor scales are computed for (default: %(default)s)")
     k.add_argument("--kv-cache-scaling", default="per_token", choices=KV_CACHE_SCALINGS,
                    help="per_tensor also computes each layer's static K and V scales")

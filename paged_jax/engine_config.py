@@ -127,8 +127,9 @@ class EngineConfig:
                                          off_flag=("--no-compile-cache", "compile every bucket afresh"))
     # KV-cache quantization (paged_jax/core/kv_quant.py); per-tensor scales and key offsets are
     # calibrated by paged_jax/kv_calibration.py (`paged-jax calibrate-kv`).
-    kv_cache_dtype: str = knob("auto", "KV-cache storage: auto (the dtype), fp8 (= fp8_e4m3), fp8_e5m2 or int8 "
-                               "(one byte per element)", choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = knob("auto", "KV-cache storage: auto (the dtype), bfloat16 (two bytes per element under "
+                               "any dtype), fp8 (= fp8_e4m3), fp8_e5m2 or int8 (one byte per element)",
+                               choices=KV_CACHE_DTYPES)
     kv_cache_scaling: str = knob("per_token", "scales of a quantized KV cache: per (token, KV head) beside the "
                                  "pages, or one static (k_scale, v_scale) per layer", choices=KV_CACHE_SCALINGS)
     kv_scales: tuple | None = knob(None, "per_tensor static scales: one (k_scale, v_scale) pair or one per layer "
@@ -242,13 +243,13 @@ class EngineConfig:
         get_kv_quant_format(self.kv_cache_dtype)
         check_kv_cache_scaling(self.kv_cache_scaling)
         if self.kv_scales is not None:
-            if self.kv_cache_dtype == "auto" or self.kv_cache_scaling != "per_tensor":
+            if get_kv_quant_format(self.kv_cache_dtype) is None or self.kv_cache_scaling != "per_tensor":
                 raise ValueError("kv_scales (static K/V scales) need a quantized kv_cache_dtype and "
                                  "kv_cache_scaling='per_tensor'")
             for i, scale in enumerate(np.ravel(np.asarray(self.kv_scales, dtype=object))):
                 check_scale(f"kv_scales (entry {i})", scale)
         if self.kv_key_offsets is not None:
-            if self.kv_cache_dtype == "auto":
+            if get_kv_quant_format(self.kv_cache_dtype) is None:
                 raise ValueError("kv_key_offsets center the keys of a quantized pool; they need kv_cache_dtype "
                                  "'fp8', 'fp8_e5m2' or 'int8'")
             # nested tuples: the config stays comparable and hashable like its other fields

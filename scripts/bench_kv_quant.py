@@ -1,4 +1,4 @@
-"""KV-cache quantization (fp8_e4m3, fp8_e5m2, int8) against the unquantized cache: quality and speed.
+"""KV-cache quantization (fp8_e4m3, fp8_e5m2, int8) and bf16 pages against the f32 cache: quality and speed.
 
     python scripts/bench_kv_quant.py --quality [--passages 32 --tokens 256 --prompts 32 --new-tokens 64]
     python scripts/bench_kv_quant.py --speed [--context 2048 --seqs 16 --steps 8]
@@ -7,7 +7,8 @@
 --quality (SmolLM2-135M-Instruct, the real GGUF, float32 compute):
 - teacher-forced perplexity on --passages passages of Python's documentation
   (pydoc_data.topics, --tokens tokens each), one prefill per passage through a paged cache of
-  each format (K/V quantized on write, read through the XLA attention path), and next-token
+  each format (K/V quantized on write, read through the XLA attention path; bfloat16: pages
+  of bf16, kv_cache_dtype="bfloat16" under the f32 model), and next-token
   top-1 agreement with the unquantized cache over every position;
 - the seed's warning (softmax is most sensitive to key error): each format with K alone and
   V alone quantized (quantize-dequantize of the one tensor, the other unquantized);
@@ -231,7 +232,8 @@ def quality(args) -> dict:
     auto_spec = model.kv_cache_specs("float32")[0]
     offsets = calibrate_key_offsets(model, calibration)
 
-    variants = [("auto", "-", dict(spec=auto_spec))]
+    variants = [("auto", "-", dict(spec=auto_spec)),
+                ("bfloat16", "-", dict(spec=model.kv_cache_specs("float32", "bfloat16")[0]))]
     for name in FORMATS:
         variants.append((name, "per_token", dict(spec=model.kv_cache_specs(None, name)[0])))
         variants.append((name, "per_token, key offsets calibrated",
@@ -269,7 +271,7 @@ def quality(args) -> dict:
     greedy_rows, greedy = [], {}
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     outputs = {}
-    runs = [("auto", "auto", None)] + [(name, name, None) for name in FORMATS] + [
+    runs = [("auto", "auto", None), ("bfloat16", "bfloat16", None)] + [(name, name, None) for name in FORMATS] + [
         (f"{name}, key offsets calibrated", name, offsets) for name in FORMATS]
     for label, name, key_offsets in runs:
         llm = LLM(MODEL, dtype="float32", kv_cache_dtype=name, kv_key_offsets=key_offsets, max_model_len=512,

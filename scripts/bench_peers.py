@@ -166,10 +166,10 @@ class Server:
                    "-c", str(SLOTS * SLOT_CTX), "--port", str(self.port), "--no-webui"]
             env = None
         else:
-            weight_dtype, _, activation_dtype = engine.partition(":")
+            weight_dtype, activation_dtype, kv_cache_dtype = parse_variant(engine)
             cmd = [sys.executable, "-m", "paged_jax", "serve", "--model", gguf, "--served-model-name", "smollm2",
-                   "--port", str(self.port),
-                   "--weight-dtype", weight_dtype, "--activation-dtype", activation_dtype or "float32",
+                   "--port", str(self.port), "--weight-dtype", weight_dtype, "--activation-dtype", activation_dtype,
+                   "--kv-cache-dtype", kv_cache_dtype,
                    "--max-num-seqs", str(SLOTS), "--max-model-len", "2048", "--max-num-batched-tokens", "512"]
             env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
         import tempfile
@@ -274,16 +274,24 @@ def serving(args, gguf: str, llama_dir: str, threads: int, vocab: int) -> dict:
     return result
 
 
+def parse_variant(variant: str) -> tuple[str, str, str]:
+    """(weight_dtype, activation_dtype, kv_cache_dtype) of "WEIGHT_DTYPE[:ACTIVATION_DTYPE[:KV_CACHE_DTYPE]]",
+    e.g. "auto" (the GGUF's blocks, exact activations, an f32 KV cache), "auto:int8" (int8
+    activations, as llama.cpp) or "auto:int8:bfloat16" (and bf16 KV pages; llama.cpp's are f16)."""
+    weight_dtype, activation_dtype, kv_cache_dtype = (variant.split(":") + ["", ""])[:3]
+    return weight_dtype, activation_dtype or "float32", kv_cache_dtype or "auto"
+
+
 class PagedJax:
     def __init__(self, gguf: str, variant: str):
-        """variant: "WEIGHT_DTYPE[:ACTIVATION_DTYPE]", e.g. "auto" (the GGUF's blocks, exact
-        activations) or "auto:int8" (int8 activations, as llama.cpp)."""
+        """variant: parse_variant's."""
         from paged_jax import LLM, SamplingParams
 
-        weight_dtype, _, activation_dtype = variant.partition(":")
+        weight_dtype, activation_dtype, kv_cache_dtype = parse_variant(variant)
         self.params = SamplingParams
-        self.llm = LLM(gguf, weight_dtype=weight_dtype, activation_dtype=activation_dtype or "float32",
-                       max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=512, warm_up="full")
+        self.llm = LLM(gguf, weight_dtype=weight_dtype, activation_dtype=activation_dtype,
+                       kv_cache_dtype=kv_cache_dtype, max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=512,
+                       warm_up="full")
 
     def run(self, prompt_ids: list[int], max_tokens: int) -> dict:
         firsts = []
@@ -309,7 +317,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=300)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--engines", nargs="+", default=["auto", "auto:int8", "float32"],
-                        help="paged-jax variants, WEIGHT_DTYPE[:ACTIVATION_DTYPE]")
+                        help="paged-jax variants, WEIGHT_DTYPE[:ACTIVATION_DTYPE[:KV_CACHE_DTYPE]]")
     parser.add_argument("--llama-dir", default=DEFAULT_LLAMA_DIR)
     parser.add_argument("--build", action="store_true", help="build llama.cpp first (tens of minutes)")
     parser.add_argument("--workloads", nargs="+", default=["single"], choices=["single", *SERVING],

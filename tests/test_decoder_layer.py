@@ -161,15 +161,18 @@ def test_bad_arguments_raise_value_errors():
 
 
 @needs_native
-def test_engine_runs_small_buckets_as_one_call_per_layer_in_place():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "bfloat16"])
+def test_engine_runs_small_buckets_as_one_call_per_layer_in_place(kv_cache_dtype, monkeypatch):
     """LLM(weight_dtype="int8") on the CPU: the decode bucket's layer program is one native call
     per layer whose caches are the program's (donated, aliased: no cache-sized temporary); a
     bucket past MAX_TOKENS keeps the XLA layers. Greedy tokens of several sequences decoding at
-    once equal a dense loop over the same model (and a run with the XLA layers)."""
+    once equal a dense loop over the same model (and a run with the XLA layers); with a bf16
+    pool, a dense loop that rounds q, k, v and the attention output to bf16 as the pool does."""
+    from models.llama import Attention
     from paged_jax import LLM, SamplingParams
 
     llm = LLM("tiny", weight_dtype="int8", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-              warm_up="none", block_size=16, layers_per_program=1)
+              warm_up="none", block_size=16, layers_per_program=1, kv_cache_dtype=kv_cache_dtype)
     runner = llm.engine.runner
     assert runner._native_layers
     prompts = [[5, 9, 2, 7, 7, 1], [3, 4], [8] * 20]
@@ -179,7 +182,8 @@ def test_engine_runs_small_buckets_as_one_call_per_layer_in_place():
     assert runner.layers_per_program < num_layers, "the test needs runs of layers in the large buckets"
     layers = runner._programs_for((1, 1))[1]
     assert len(layers) == 1 and runner.layer_groups(1).size == num_layers, "every layer in one program"
-    assert layers[0].as_text().count("pj_decoder_layer_f32") == num_layers
+    suffix = "bf16" if kv_cache_dtype == "bfloat16" else "f32"  # the cache's
+    assert layers[0].as_text().count(f"pj_decoder_layer_{suffix}") == num_layers
     memory = runner.compiled_memory(1, 1)["layer"]
     cache_bytes = sum(a.nbytes for cache in runner.kv_caches for a in cache)
     assert memory.alias_size_in_bytes >= cache_bytes and memory.temp_size_in_bytes < cache_bytes / num_layers
@@ -188,6 +192,15 @@ def test_engine_runs_small_buckets_as_one_call_per_layer_in_place():
     assert runner.layer_groups(big[0]).size == runner.layers_per_program
     assert "pj_decoder_layer" not in runner._programs_for(big)[1][0].as_text()
     model = llm.engine.model
+    if kv_cache_dtype == "bfloat16":
+        assert runner.kv_caches[0][0].dtype == jnp.bfloat16
+        qkv, out_proj = Attention._qkv, Attention._out
+
+        def bf16(x):
+            return x.astype(jnp.bfloat16).astype(x.dtype)
+
+        monkeypatch.setattr(Attention, "_qkv", lambda self, x, positions: tuple(map(bf16, qkv(self, x, positions))))
+        monkeypatch.setattr(Attention, "_out", lambda self, attn: out_proj(self, bf16(attn)))
     for prompt, out in zip(prompts, outs):
         ids = list(prompt)
         for _ in range(8):

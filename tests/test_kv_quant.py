@@ -72,7 +72,7 @@ def test_format_table():
 
 @pytest.mark.parametrize("bad", ["fp16", "FP8", "e4m3", "", None])
 def test_unknown_kv_cache_dtype_names_the_choices(bad):
-    with pytest.raises(ValueError, match="kv_cache_dtype.*'auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'int8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype.*'auto', 'bfloat16', 'fp8', 'fp8_e4m3', 'fp8_e5m2', 'int8'"):
         get_kv_quant_format(bad)
     with pytest.raises(ValueError, match="fp8_e5m2"):
         attention_spec(2, 16, "float32", bad)

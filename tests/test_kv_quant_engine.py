@@ -28,6 +28,10 @@ from paged_jax.runner import ModelRunner
 from pallas_kernels.kv_cache_write import dequantize_pages, quantize_rows
 
 LOGPROB_TOL = 1e-3  # the dense loop and the kernels round differently (f32): a rare rounding flip of one element
+# A bf16 pool: the reference rounds q, k, v and the attention output as the pool does, but not
+# the attention's own bf16 intermediates (4.4e-3 apart at most here; the unrounded dense loop
+# is 0.54 apart and picks another token once).
+BF16_LOGPROB_TOL = 1e-2
 
 
 def fake_quant_dense_greedy(prompts, max_tokens, kv_cache_dtype, kv_scales=None):
@@ -48,6 +52,12 @@ def fake_quant_dense_greedy(prompts, max_tokens, kv_cache_dtype, kv_scales=None)
                             None if kv_scales is None else kv_scales[0]).astype(jnp.float32), rotation.T, precision=hi)
         return q, k.astype(q.dtype), fake(v, None if kv_scales is None else kv_scales[1])
 
+    return patched_dense_greedy(prompts, max_tokens, {"_qkv": qkv})
+
+
+def patched_dense_greedy(prompts, max_tokens, patches: dict):
+    """dense_greedy (engine_reference) with Attention's methods replaced by `patches` (name ->
+    function) while the dense step traces; returns (tokens, logprobs) per prompt."""
     graphdef, state = nnx.split(big_llm().engine.model)
 
     @jax.jit
@@ -55,7 +65,9 @@ def fake_quant_dense_greedy(prompts, max_tokens, kv_cache_dtype, kv_scales=None)
         logits = nnx.merge(graphdef, state).dense_forward(token_ids)
         return jax.nn.log_softmax(jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], axis=-1)
 
-    Attention._qkv = qkv  # traced once, below; restored before anything else traces a layer
+    originals = {name: getattr(Attention, name) for name in patches}
+    for name, fn in patches.items():  # traced once, below; restored before anything else traces a layer
+        setattr(Attention, name, fn)
     try:
         n = len(prompts)
         tokens = np.zeros((-(-n // 8) * 8, MAX_MODEL_LEN), np.int32)
@@ -73,7 +85,8 @@ def fake_quant_dense_greedy(prompts, max_tokens, kv_cache_dtype, kv_scales=None)
                 lens[i] += 1
         return outs, logprobs
     finally:
-        Attention._qkv = original
+        for name, fn in originals.items():
+            setattr(Attention, name, fn)
 
 
 @functools.cache
@@ -98,11 +111,11 @@ def run(engine, prompts, max_tokens, prefix):
     return [finished[f"{prefix}-{i}"] for i in range(len(prompts))]
 
 
-def check_against_reference(outputs, reference, engine, before):
+def check_against_reference(outputs, reference, engine, before, atol=LOGPROB_TOL):
     ref_tokens, ref_logprobs = reference
     assert [o.token_ids for o in outputs] == ref_tokens
     for o, ref in zip(outputs, ref_logprobs):
-        np.testing.assert_allclose(o.outputs[0].logprobs, ref, atol=LOGPROB_TOL, rtol=0)
+        np.testing.assert_allclose(o.outputs[0].logprobs, ref, atol=atol, rtol=0)
     after = engine.get_stats()
     assert after["prefix_cache_hits"] > before["prefix_cache_hits"]  # the shared system prompt's blocks
     assert after["num_compilations"] == before["num_compilations"]
@@ -135,6 +148,48 @@ def test_int8_per_tensor_engine_with_chunked_prefill_matches_fake_quantized_dens
     assert sum(len(p) > ENGINE_CONFIGS["chunked"]["max_num_batched_tokens"] for p in prompts) >= 4
     before = engine.get_stats()
     check_against_reference(run(engine, prompts, max_tokens, "int8"), reference, engine, before)
+
+
+def bf16_dense_greedy(prompts, max_tokens):
+    """dense_greedy with the bf16 pool's rounding: q, k and v rounded to bfloat16 (the pool
+    stores k and v so, attention reads q in the cache dtype) and the attention output too (it
+    comes back in the cache dtype)."""
+    qkv, out = Attention._qkv, Attention._out
+
+    def bf16(x):
+        return x.astype(jnp.bfloat16).astype(x.dtype)
+
+    return patched_dense_greedy(prompts, max_tokens, {"_qkv": lambda self, x, positions: tuple(
+        map(bf16, qkv(self, x, positions))), "_out": lambda self, attn: out(self, bf16(attn))})
+
+
+@pytest.mark.slow
+def test_bf16_pool_under_an_f32_model_matches_its_dense_reference(workload):
+    """kv_cache_dtype="bfloat16" under the f32 model: bf16 pages (half the f32 pool's bytes a
+    token), and the dense loop's greedy tokens with the same roundings, logprobs within rounding,
+    through preemption and the prefix cache; the pool comes back whole. Without the roundings
+    the reference's logprobs differ (so the check sees them)."""
+    prompts, max_tokens = workload
+    engine = quantized_engine("small_pool", "bfloat16")
+    assert [a.dtype.name for a in engine.runner.kv_caches[0]] == ["bfloat16"] * 2
+    assert 2 * engine.runner.pool.kv_cache_bytes == big_llm().engine.runner.pool.kv_cache_bytes * (
+        engine.cache_config.num_blocks / big_llm().engine.cache_config.num_blocks)
+    reference = bf16_dense_greedy(prompts, max_tokens)
+    before = engine.get_stats()
+    outputs = run(engine, prompts, max_tokens, "bf16")
+    after = check_against_reference(outputs, reference, engine, before, atol=BF16_LOGPROB_TOL)
+    assert after["num_preemptions"] > before["num_preemptions"]
+    unrounded = patched_dense_greedy(prompts, max_tokens, {})[1]
+    assert max(np.abs(np.subtract(o.outputs[0].logprobs[:len(r)], r[:len(o.outputs[0].logprobs)])).max()
+               for o, r in zip(outputs, unrounded)) > BF16_LOGPROB_TOL
+
+
+def test_bf16_pool_rejects_static_scales():
+    """Static scales and key offsets belong to a quantized pool: a bf16 one is not."""
+    with pytest.raises(ValueError, match="kv_scales"):
+        EngineConfig(model="tiny", kv_cache_dtype="bfloat16", kv_cache_scaling="per_tensor", kv_scales=(1.0, 1.0))
+    with pytest.raises(ValueError, match="kv_key_offsets"):
+        EngineConfig(model="tiny", kv_cache_dtype="bfloat16", kv_key_offsets=np.zeros((2, 2, 64)))
 
 
 def test_quantized_pool_is_sized_and_donated_in_place():

@@ -229,8 +229,9 @@ class LlamaForCausalLM(CausalLM):
         """One spec per layer: K and V per KV head (dtype defaults to the compute dtype), with
         the layer's attention's sliding_window (None for every Llama layer).
 
-        kv_cache_dtype "auto" stores them in dtype; "fp8" / "fp8_e4m3" / "fp8_e5m2" / "int8"
-        in one byte per element, scaled per kv_cache_scaling (models/kv_cache_spec.py).
+        kv_cache_dtype "auto" stores them in dtype, "bfloat16" in bfloat16; "fp8" / "fp8_e4m3" /
+        "fp8_e5m2" / "int8" in one byte per element, scaled per kv_cache_scaling
+        (models/kv_cache_spec.py).
         """
         c = self.config
         dtype = str(jnp.dtype(dtype or c.dtype)) if kv_cache_dtype == "auto" else c.dtype

@@ -39,7 +39,10 @@ import math
 import ml_dtypes
 import numpy as np
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# "auto" and "bfloat16" are unquantized: the model's dtype, or bf16 pages under any compute
+# dtype (half an f32 model's KV bytes; attention reads bf16 queries, AttentionBackend.forward).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+UNQUANTIZED_KV_CACHE_DTYPES = ("auto", "bfloat16")
 KV_CACHE_SCALINGS = ("per_token", "per_tensor")
 SCALE_DTYPE = "float32"
 # A token whose K (or V) row is all zeros gets this scale rather than 0, so that q * s stays
@@ -88,7 +91,8 @@ _ALIASES = {"fp8": "fp8_e4m3"}
 
 
 def get_kv_quant_format(kv_cache_dtype: str) -> KVQuantFormat | None:
-    """The format a kv_cache_dtype names; None for "auto" (the model's dtype, unquantized).
+    """The format a kv_cache_dtype names; None for the unquantized "auto" (the model's dtype)
+    and "bfloat16".
 
     Raises:
       ValueError: an unknown name (the message lists the choices).
@@ -96,7 +100,7 @@ def get_kv_quant_format(kv_cache_dtype: str) -> KVQuantFormat | None:
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {KV_CACHE_DTYPES} "
                          "('auto' keeps the model's dtype, 'fp8' means fp8_e4m3)")
-    if kv_cache_dtype == "auto":
+    if kv_cache_dtype in UNQUANTIZED_KV_CACHE_DTYPES:
         return None
     return FORMATS[_ALIASES.get(kv_cache_dtype, kv_cache_dtype)]
 
