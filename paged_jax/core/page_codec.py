@@ -27,10 +27,11 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from paged_jax.core.kv_quant import (KV_CACHE_DTYPES, KVQuantFormat, dequantize_numpy, get_kv_quant_format,
-                                     per_token_scale_numpy, quantize_numpy, to_pages_numpy)
+from paged_jax.core.kv_quant import (KV_CACHE_DTYPES, UNQUANTIZED_KV_CACHE_DTYPES, KVQuantFormat, dequantize_numpy,
+                                     get_kv_quant_format, per_token_scale_numpy, quantize_numpy, to_pages_numpy)
 
-STORAGE_DTYPES = (None, *(name for name in KV_CACHE_DTYPES if name != "auto"))
+# None: the pool's own bytes; else one of the quantized kv_cache_dtype formats.
+STORAGE_DTYPES = (None, *(name for name in KV_CACHE_DTYPES if name not in UNQUANTIZED_KV_CACHE_DTYPES))
 
 
 def _np_dtype(name: str) -> np.dtype:
