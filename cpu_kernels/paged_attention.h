@@ -150,6 +150,33 @@ void attend_keys(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t
   }
 }
 
+// f(i, key_or_value) for the keys first .. end - 1 of a (sequence, KV head), a page at a time
+// (one division per page, not per key). A head's slots are short strided reads (dim values
+// every hkv * dim) that the hardware prefetchers do not follow, so every slot asks for the same
+// slot of the next page, and a pass over the keys asks for the values' slots too (`later`: the
+// cache the next pass reads) into L2: a one-sequence decode's attention took 27 -> 20 us a
+// SmolLM2 layer at 300 tokens of f32 pages (docs/BENCHMARKS.md section 18, seventh pass).
+template <typename KV, typename F>
+inline void for_each_slot(const Job<KV>& job, const KV* cache, const int32_t* table, int64_t h, int64_t first,
+                          int64_t end, F f, const KV* later = nullptr) {
+  const int64_t bs = job.block_size, stride = job.hkv * job.dim, bytes = job.dim * int64_t(sizeof(KV));
+  for (int64_t t = first; t < end;) {
+    const int64_t off = t % bs, n = std::min(bs - off, end - t);
+    const KV* slot = cache + ((int64_t(table[t / bs]) * bs + off) * job.hkv + h) * job.dim;
+    const char* ahead = t + n < end ? reinterpret_cast<const char*>(
+        cache + (int64_t(table[(t + n) / bs]) * bs * job.hkv + h) * job.dim) : nullptr;
+    for (int64_t i = 0; i < n; ++i, slot += stride) {
+      if (ahead != nullptr)
+        for (int64_t j = 0; j < bytes; j += 64) _mm_prefetch(ahead + i * stride * int64_t(sizeof(KV)) + j, _MM_HINT_T0);
+      if (later != nullptr)
+        for (int64_t j = 0; j < bytes; j += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(later + (slot - cache)) + j, _MM_HINT_T1);
+      f(t - first + i, slot);
+    }
+    t += n;
+  }
+}
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
@@ -161,36 +188,35 @@ inline __m512 load16(const uint16_t* p) {
 template <typename KV, int kG, int kC>
 void attend_keys_avx512(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1,
                         std::vector<float>& scores, float* m, float* l, float* o) {
-  const int64_t row = job.qsl[seq], bs = job.block_size, len = k1 - k0, dim = 16 * kC, hq = job.hkv * kG;
+  const int64_t row = job.qsl[seq], len = k1 - k0, dim = 16 * kC, hq = job.hkv * kG;
   const float* q = job.q + (row * hq + h * kG) * dim;
   const int32_t* table = job.tables + seq * job.width;
   scores.resize(kG * len);
   __m512 qv[kG][kC];
   for (int g = 0; g < kG; ++g)
     for (int c = 0; c < kC; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * dim + 16 * c), _mm512_set1_ps(job.scale));
-  for (int64_t t = k0; t < k1; ++t) {
-    const KV* key = job.k + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
+  float* s = scores.data();
+  for_each_slot(job, job.k, table, h, k0, k1, [&](int64_t i, const KV* key) {
     __m512 kv[kC];
     for (int c = 0; c < kC; ++c) kv[c] = load16(key + 16 * c);
     for (int g = 0; g < kG; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int c = 1; c < kC; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-      scores[g * len + t - k0] = _mm512_reduce_add_ps(acc);
+      s[g * len + i] = _mm512_reduce_add_ps(acc);
     }
-  }
+  }, job.v);
   exp_rows(scores.data(), kG, len, m, l);
   __m512 ov[kG][kC];
   for (int g = 0; g < kG; ++g)
     for (int c = 0; c < kC; ++c) ov[g][c] = _mm512_setzero_ps();
-  for (int64_t t = k0; t < k1; ++t) {
-    const KV* value = job.v + ((int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h) * dim;
+  for_each_slot(job, job.v, table, h, k0, k1, [&](int64_t i, const KV* value) {
     __m512 vv[kC];
     for (int c = 0; c < kC; ++c) vv[c] = load16(value + 16 * c);
     for (int g = 0; g < kG; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * len + t - k0]);
+      const __m512 p = _mm512_set1_ps(s[g * len + i]);
       for (int c = 0; c < kC; ++c) ov[g][c] = _mm512_fmadd_ps(p, vv[c], ov[g][c]);
     }
-  }
+  });
   for (int g = 0; g < kG; ++g)
     for (int c = 0; c < kC; ++c) _mm512_storeu_ps(o + g * dim + 16 * c, ov[g][c]);
 }
@@ -244,20 +270,6 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// f(i, key_or_value) for the keys first .. end - 1 of a (sequence, KV head), a page at a time
-// (one division per page, not per key).
-template <typename KV, typename F>
-inline void for_each_slot(const Job<KV>& job, const KV* cache, const int32_t* table, int64_t h, int64_t first,
-                          int64_t end, F f) {
-  const int64_t bs = job.block_size, stride = job.hkv * job.dim;
-  for (int64_t t = first; t < end;) {
-    const int64_t off = t % bs, n = std::min(bs - off, end - t);
-    const KV* slot = cache + ((int64_t(table[t / bs]) * bs + off) * job.hkv + h) * job.dim;
-    for (int64_t i = 0; i < n; ++i, slot += stride) f(t - first + i, slot);
-    t += n;
-  }
-}
-
 // run_task on AVX2 (8 floats a register) with kG query heads per KV head and head_dim 8 * kC:
 // the scores of a key from the key held in registers, then the values kP registers of each
 // query head's output at a time (kG * kP accumulators fit the 16 registers).
@@ -284,7 +296,7 @@ void run_task_avx2(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float
       }
       s[g * len + i] = hsum8(_mm256_add_ps(a0, a1));
     }
-  });
+  }, job.v);
   softmax_rows(s, kG, len);
   float* out = job.out + (row * hq + h * kG) * dim;
   for (int c0 = 0; c0 < kC; c0 += kP) {
