@@ -578,6 +578,19 @@ void prepare_x(Work& wk) {
   wk.xqs.reset(new int32_t[blocks]);
   for (int64_t a = 0; a < blocks; ++a) {
     const float* xb = wk.x + a * kBlock;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    // The loop below in registers (the compiler vectorizes neither the max nor the rounding):
+    // the same float operations, so the same bytes for finite x.
+    const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = amax / 127.0f;
+    const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(&wk.xq[a * kBlock]), _mm512_cvtepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(&wk.xq[a * kBlock + 16]), _mm512_cvtepi32_epi8(qhi));
+    wk.xd[a] = d;
+    wk.xqs[a] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
     float amax = 0.0f;
     for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float d = amax / 127.0f;
@@ -590,6 +603,7 @@ void prepare_x(Work& wk) {
     }
     wk.xd[a] = d;
     wk.xqs[a] = s;
+#endif
   }
 }
 
