@@ -27,6 +27,8 @@
 #include "quant_matmul.h"
 #include "thread_team.h"
 
+#include <cstdlib>
+
 namespace {
 
 enum Phase { kQKV = 0, kAttend = 1, kOut = 2, kGateUp = 3, kDown = 4, kDone = 5 };
@@ -112,6 +114,24 @@ inline void rms_norm(const float* x, const float* w, float eps, int64_t d, float
   for (int64_t i = 0; i < d; ++i) out[i] = (x[i] * r) * w[i];
 }
 
+// The calling thread's scratch for one layer call, reused by its next (allocating a layer's
+// ten buffers took ~2 us of its ~110). Helpers touch it only inside the call: a phase opens
+// after its inputs are written, and a helper that comes late finds no chunk left.
+float* scratch_for(int64_t n) {
+  struct Aligned { void operator()(float* p) const { std::free(p); } };
+  thread_local std::unique_ptr<float, Aligned> buffer;
+  thread_local int64_t capacity = 0;
+  if (capacity < n) {
+    buffer.reset(static_cast<float*>(std::aligned_alloc(64, n * sizeof(float))));
+    capacity = n;
+  }
+  return buffer.get();
+}
+
+// A lone sequence's (row, KV head) tasks split its keys in up to kMaxSplits ranges of at
+// least kSplitKeys (decoder_layer below).
+constexpr int64_t kSplitKeys = 128, kMaxSplits = 8;
+
 template <typename KV>
 struct Layer {
   // inputs (XLA's buffers; the caches are the aliased results)
@@ -126,8 +146,9 @@ struct Layer {
   Job<KV> attend;
   int64_t num_tasks = 0;
   int64_t splits = 1;          // key ranges per (row, KV head): num_tasks = rows * hkv * splits
-  std::vector<float> partial;  // [task][group][dim + 2]: attend_keys' o, then m and l (splits > 1)
-  std::vector<float> n, q, k, v, a, h, g, u, act, dn;  // scratch: norms, projections, ...
+  // Scratch in the calling thread's buffer (scratch_for): norms, projections, ..., and
+  // `partial` [task][group][dim + 2], attend_keys' o, then m and l (splits > 1).
+  float *n, *q, *k, *v, *a, *h, *g, *u, *act, *dn, *partial;
   std::atomic<int> phase{-1};
 };
 
@@ -155,8 +176,8 @@ void merge_splits(Layer<KV>& L) {
   const int64_t g_num = job.group, dim = job.dim, stride = g_num * (dim + 2), hq = job.hkv * g_num;
   for (size_t r = 0; r < job.seqs.size(); ++r)
     for (int64_t h = 0; h < job.hkv; ++h) {
-      const float* part = L.partial.data() + (int64_t(r) * job.hkv + h) * L.splits * stride;
-      float* out = L.a.data() + (job.qsl[job.seqs[r]] * hq + h * g_num) * dim;
+      const float* part = L.partial + (int64_t(r) * job.hkv + h) * L.splits * stride;
+      float* out = L.a + (job.qsl[job.seqs[r]] * hq + h * g_num) * dim;
       for (int64_t g = 0; g < g_num; ++g) {
         float mx = -INFINITY;
         for (int64_t sp = 0; sp < L.splits; ++sp) mx = std::max(mx, part[sp * stride + g_num * dim + g]);
@@ -198,7 +219,7 @@ void finish(Layer<KV>& L, int p) {
     case kAttend:
       if (L.splits > 1) merge_splits(L);
       if (kBF16Cache)  // ... and its output comes back in that dtype
-        for (float& e : L.a) e = bf16_round(e);
+        for (int64_t i = 0; i < t_num * L.hq * dim; ++i) L.a[i] = bf16_round(L.a[i]);
       if (L.o.prepare) L.o.prepare(L.o.work);
       break;
     case kOut:
@@ -210,8 +231,8 @@ void finish(Layer<KV>& L, int p) {
       break;
     case kGateUp: {
       const int64_t total = t_num * L.f;
-      float* act = L.act.data();
-      const float *g = L.g.data(), *u = L.u.data();
+      float* act = L.act;
+      const float *g = L.g, *u = L.u;
 #pragma omp simd
       for (int64_t i = 0; i < total; ++i) {
         // silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1 (never overflows)
@@ -255,7 +276,7 @@ bool run_phase(Layer<KV>& L, int p) {
           const int64_t sp = i % L.splits, rh = i / L.splits, seq = job.seqs[rh / job.hkv];
           const int64_t end = job.seq_lens[seq], first = first_key(job, end), n = end - first;
           const int64_t k0 = first + n * sp / L.splits, k1 = first + n * (sp + 1) / L.splits;
-          float* part = L.partial.data() + i * job.group * (job.dim + 2);
+          float* part = L.partial + i * job.group * (job.dim + 2);
           float* m = part + job.group * job.dim;
           if (k0 == k1) {  // an empty range weighs nothing
             std::fill(m, m + job.group, -INFINITY);
@@ -323,31 +344,37 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
   L->v_cache = reinterpret_cast<KV*>(v_out->untyped_data());
   L->out = out->typed_data();
   L->t = t, L->d = d, L->hq = hq, L->hkv = hkv, L->dim = dim, L->f = f, L->eps = eps;
-  L->n.resize(t * d), L->q.resize(t * hq * dim), L->k.resize(t * hkv * dim), L->v.resize(t * hkv * dim);
-  L->a.assign(t * hq * dim, 0.0f), L->h.resize(t * d), L->g.resize(t * f), L->u.resize(t * f);
-  L->act.resize(t * f), L->dn.resize(t * d);
-  const WeightArg qkv[3] = {{data_of(wq), rows_of(wq), bytes_of(wq), L->q.data(), hq * dim},
-                            {data_of(wk), rows_of(wk), bytes_of(wk), L->k.data(), hkv * dim},
-                            {data_of(wv), rows_of(wv), bytes_of(wv), L->v.data(), hkv * dim}};
-  const WeightArg o[1] = {{data_of(wo), rows_of(wo), bytes_of(wo), L->h.data(), d}};
-  const WeightArg gate_up[2] = {{data_of(wg), rows_of(wg), bytes_of(wg), L->g.data(), f},
-                                {data_of(wu), rows_of(wu), bytes_of(wu), L->u.data(), f}};
-  const WeightArg down[1] = {{data_of(wd), rows_of(wd), bytes_of(wd), L->dn.data(), d}};
-  if (!set_up(L->qkv, format_qkv, activations, L->n.data(), t, d, qkv, 3) ||
-      !set_up(L->o, format_o, activations, L->a.data(), t, hq * dim, o, 1) ||
-      !set_up(L->gate_up, format_gate_up, activations, L->n.data(), t, d, gate_up, 2) ||
-      !set_up(L->down, format_down, activations, L->act.data(), t, f, down, 1))
+  // The scratch: a is zero where no row attends (prefill rows, padding).
+  const int64_t sizes[] = {t * d, t * hq * dim, t * hkv * dim, t * hkv * dim, t * hq * dim, t * d, t * f, t * f,
+                           t * f, t * d, t * hq * kMaxSplits * (dim + 2)};
+  float** slices[] = {&L->n, &L->q, &L->k, &L->v, &L->a, &L->h, &L->g, &L->u, &L->act, &L->dn, &L->partial};
+  int64_t total = 0;
+  for (int64_t size : sizes) total += (size + 15) / 16 * 16;  // 64-byte aligned slices
+  float* next = scratch_for(total);
+  for (int i = 0; i < 11; ++i) *slices[i] = next, next += (sizes[i] + 15) / 16 * 16;
+  std::fill(L->a, L->a + t * hq * dim, 0.0f);
+  const WeightArg qkv[3] = {{data_of(wq), rows_of(wq), bytes_of(wq), L->q, hq * dim},
+                            {data_of(wk), rows_of(wk), bytes_of(wk), L->k, hkv * dim},
+                            {data_of(wv), rows_of(wv), bytes_of(wv), L->v, hkv * dim}};
+  const WeightArg o[1] = {{data_of(wo), rows_of(wo), bytes_of(wo), L->h, d}};
+  const WeightArg gate_up[2] = {{data_of(wg), rows_of(wg), bytes_of(wg), L->g, f},
+                                {data_of(wu), rows_of(wu), bytes_of(wu), L->u, f}};
+  const WeightArg down[1] = {{data_of(wd), rows_of(wd), bytes_of(wd), L->dn, d}};
+  if (!set_up(L->qkv, format_qkv, activations, L->n, t, d, qkv, 3) ||
+      !set_up(L->o, format_o, activations, L->a, t, hq * dim, o, 1) ||
+      !set_up(L->gate_up, format_gate_up, activations, L->n, t, d, gate_up, 2) ||
+      !set_up(L->down, format_down, activations, L->act, t, f, down, 1))
     return ffi::Error::InvalidArgument("a weight's bytes do not fit its format and the layer's sizes");
   if (d % kBlock || (hq * dim) % kBlock || f % kBlock)
     return ffi::Error::InvalidArgument("the layer's matmul inputs must be multiples of 32");
   Job<KV>& job = L->attend;
-  job.q = L->q.data();
+  job.q = L->q;
   job.k = L->k_cache;
   job.v = L->v_cache;
   job.tables = block_tables.typed_data();
   job.seq_lens = seq_lens.typed_data();
   job.qsl = query_start_loc.typed_data();
-  job.out = L->a.data();
+  job.out = L->a;
   job.width = td[1];
   job.block_size = kd[1];
   job.hkv = hkv;
@@ -362,13 +389,11 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
   auto& team = paged_jax::thread_team();
   // Fewer (row, KV head) tasks than a few per thread (one sequence decoding): split each
   // one's keys in ranges of at least kSplitKeys.
-  constexpr int64_t kSplitKeys = 128, kMaxSplits = 8;
   int64_t longest = 0;
   for (int64_t seq : job.seqs) longest = std::max<int64_t>(longest, job.seq_lens[seq]);
   if (L->num_tasks > 0 && L->num_tasks < 4 * (team.num_helpers() + 1)) {
     L->splits = std::clamp<int64_t>(longest / kSplitKeys, 1, kMaxSplits);
     L->num_tasks *= L->splits;
-    if (L->splits > 1) L->partial.resize(L->num_tasks * job.group * (dim + 2));
   }
   team.post([L] { work(*L); }, team.num_helpers(), paged_jax::ThreadTeam::kLinger);
   for (int64_t i = 0; i < t; ++i) rms_norm(L->x + i * d, L->w_in, eps, d, &L->n[i * d]);
