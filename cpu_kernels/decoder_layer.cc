@@ -74,6 +74,7 @@ bool set_up(Matmul& mm, int format, int acts, const float* x, int64_t m, int64_t
   wk.m = m;
   wk.k = k;
   wk.num_parts = num;
+  wk.chunk_tiles = chunk_tiles(m);
   int64_t chunks = 0;
   for (int p = 0; p < num; ++p) {
     const WeightArg& w = ws[p];
@@ -82,7 +83,7 @@ bool set_up(Matmul& mm, int format, int acts, const float* x, int64_t m, int64_t
                         : (w.bytes != tile_bytes(format, k) || num_tiles != (w.n + kTile - 1) / kTile))
       return false;
     wk.parts[p] = Part{w.data, w.y, w.n, num_tiles, chunks};
-    chunks += (num_tiles + kChunkTiles - 1) / kChunkTiles;
+    chunks += (num_tiles + wk.chunk_tiles - 1) / wk.chunk_tiles;
   }
   wk.num_chunks = chunks;
   return true;

@@ -20,6 +20,7 @@ ffi::Error quant_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
   work->k = xd[1];
   if (work->k % kBlock) return ffi::Error::InvalidArgument("x's inner dimension must be a multiple of 32");
   work->num_parts = int(ws.size());
+  work->chunk_tiles = chunk_tiles(work->m);
   int64_t num_chunks = 0;
   for (size_t p = 0; p < ws.size(); ++p) {
     auto w = ws.get<ffi::Buffer<ffi::U8>>(p);
@@ -35,7 +36,7 @@ ffi::Error quant_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
     if (kFormat == kBF16 ? (wd[0] != n || wd[1] != 2 * work->k) : wd[1] != tile_bytes(kFormat, work->k))
       return ffi::Error::InvalidArgument("w's bytes do not match x's inner dimension for this format");
     work->parts[p] = Part{w->typed_data(), (*y)->typed_data(), n, num_tiles, num_chunks};
-    num_chunks += (num_tiles + kChunkTiles - 1) / kChunkTiles;
+    num_chunks += (num_tiles + work->chunk_tiles - 1) / work->chunk_tiles;
   }
   work->num_chunks = num_chunks;
   if (kFormat != kBF16) prepare_x<kActs>(*work);

@@ -55,7 +55,13 @@ constexpr int kMaxRows = 8;
 constexpr int kMaxRows = 4;
 #endif
 constexpr int kMaxRowsF32 = 4;
-constexpr int64_t kChunkTiles = 2;  // tiles a task takes at once
+// Tiles a task takes at once. A decode-sized x (one pass of its rows over each tile) streams the
+// weight from memory, and each thread's chunks are what the prefetch-ahead below follows: its
+// first kPrefetchBytes are not asked for early, and its last are asked for by a thread that
+// moves on elsewhere. Chunks of 8 tiles (~46 KB of q4_1 at K = 576) instead of 2 took a
+// SmolLM2 layer's matmuls ~10% less time inside a decode step (docs/BENCHMARKS.md section 18,
+// seventh pass). A larger x is compute-bound, and 2-tile chunks balance its threads' work.
+inline int64_t chunk_tiles(int64_t m) { return m <= kMaxRows ? 8 : 2; }
 // How far ahead of the tile block being read each loop asks for the weight's bytes: a chunk is
 // a short stream (2 tiles, ~12-20 KB at K = 576) that the hardware prefetchers barely ramp up
 // on, and two cores alone did not keep enough reads in flight (a 30-layer decode stack 4.6 ->
@@ -92,6 +98,7 @@ struct Work {
   int64_t m, k;
   Part parts[kMaxParts];
   int num_parts;
+  int64_t chunk_tiles;  // chunk_tiles(m)
   int64_t num_chunks;
   std::unique_ptr<float[]> xsum;   // [m, k / 32] block sums of x (f32 activations)
   std::unique_ptr<int8_t[]> xq;    // [m, k] x quantized (i8 activations)
@@ -543,8 +550,8 @@ bool run_chunks(Work& wk) {
     int p = 0;
     while (p + 1 < wk.num_parts && wk.parts[p + 1].first_chunk <= c) ++p;
     const Part& part = wk.parts[p];
-    const int64_t t0 = (c - part.first_chunk) * kChunkTiles;
-    const int64_t t1 = std::min(part.num_tiles, t0 + kChunkTiles);
+    const int64_t t0 = (c - part.first_chunk) * wk.chunk_tiles;
+    const int64_t t1 = std::min(part.num_tiles, t0 + wk.chunk_tiles);
     constexpr int64_t max_rows = kActs == kI8 ? kMaxRows : kMaxRowsF32;
     for (int64_t i0 = 0; i0 < wk.m; i0 += max_rows) {
       const int r = int(std::min<int64_t>(max_rows, wk.m - i0));
