@@ -23,8 +23,8 @@ Each layer call takes its layers' caches as donated arguments and returns them, 
 updates the caches in place (no second cache-sized buffer; tests check the compiled
 executables). StepInputs crosses to the device once per step, packed into one i32 vector
 (pack_step_inputs: one host-to-device copy instead of one per field,
-scripts/bench_runner_overheads.py); every program unpacks the fields it reads with static
-slices.
+scripts/bench_runner_overheads.py; on a CPU device the programs read the host vector in place);
+every program unpacks the fields it reads with static slices.
 
 The runner's two collaborators: the KVPool (paged_jax/kv_pool.py: the caches, their groups,
 sizing, placement and page copies) and the CompileManager (paged_jax/compile_manager.py:
@@ -192,7 +192,8 @@ class ModelRunner:
         self.attention_impl = self.attention.name
         # Whether small buckets may run a layer as one native call (cpu_kernels/decoder_layer.py):
         # one CPU device, the XLA attention of float caches (what that kernel's attention is).
-        self._native_layers = (mesh is None and jax.default_backend() == "cpu"
+        self._host_is_device = mesh is None and jax.default_backend() == "cpu"
+        self._native_layers = (self._host_is_device
                                and all(type(a) is XlaAttention for a in self.attention_backends)
                                and decoder_layer.native_available())
         layers_per_program = engine.layers_per_program
@@ -276,6 +277,15 @@ class ModelRunner:
         """Compiles the smallest num_first buckets now and the others on a background thread
         (CompileManager.start_warm_up)."""
         self.compiler.start_warm_up(num_first, progress)
+
+    def _put(self, packed: np.ndarray):
+        """A step's packed inputs where its programs read them: replicated on the mesh, one
+        device copy that every program reads, or, on a CPU device, the host array itself (a
+        CPU program reads it in place, and jax.device_put there made a decode step ~6% slower:
+        docs/BENCHMARKS.md section 18, seventh pass)."""
+        if self.mesh is not None:
+            return put_replicated(packed, self.mesh)
+        return packed if self._host_is_device else jax.device_put(packed)
 
     def _sharding(self, a):
         """The sharding a program argument is compiled for: its own (placed arrays), replicated
@@ -485,14 +495,11 @@ class ModelRunner:
                     run_shape[1] - shape[1], 1 if spec is None else self.num_spec_tokens + 1))
         embed, layers, head, spec_head, head_processed, spec_head_processed = self._programs_for(run_shape)
         packed = pack_step_inputs(inputs)
-        if self.mesh is None:
-            packed = jax.device_put(packed)  # once: every program reads this copy
-        else:
-            if jax.process_count() > 1:
-                # Every process must run this very step (paged_jax/multiprocess.py): a
-                # diverged scheduler fails here, not in a hung or garbled collective.
-                multihost_utils.assert_equal(step_fingerprint(packed), "processes scheduled different steps")
-            packed = put_replicated(packed, self.mesh)
+        if self.mesh is not None and jax.process_count() > 1:
+            # Every process must run this very step (paged_jax/multiprocess.py): a diverged
+            # scheduler fails here, not in a hung or garbled collective.
+            multihost_utils.assert_equal(step_fingerprint(packed), "processes scheduled different steps")
+        packed = self._put(packed)
         x = embed(self._head_leaves, packed)
         kv_caches = self.pool.kv_caches
         groups = self.layer_groups(run_shape[0])
@@ -502,7 +509,7 @@ class ModelRunner:
                               groups.layer_inputs[run])
             for t, cache in zip(tensors, caches):
                 kv_caches[t] = cache
-        put = jax.device_put if self.mesh is None else functools.partial(put_replicated, mesh=self.mesh)
+        put = self._put
         proc_packed = None
         if processing is not None:
             assert head_processed is not None, "logits processing given to a runner built without it"
