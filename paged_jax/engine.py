@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+import os
 import threading
 import time
 
 import jax
+# backends_are_initialized: jax has no public way to ask whether its clients exist yet.
+from jax._src import xla_bridge
 
 from models.registry import load_model, load_tokenizer
 from paged_jax.chat import chat_prompt
@@ -37,6 +40,24 @@ from paged_jax.sharding import check_tensor_parallel, make_mesh, param_placer
 from paged_jax.structured_output import StructuredOutputManager
 
 
+# The environment variable that sets jax_cpu_enable_async_dispatch (jax's config flag).
+ASYNC_DISPATCH_ENV = "JAX_CPU_ENABLE_ASYNC_DISPATCH"
+
+
+def set_cpu_dispatch(async_dispatch: bool | None) -> None:
+    """jax's CPU dispatch mode for this process (EngineConfig.cpu_async_dispatch), set only
+    while it can take effect: jax reads it once, when it creates its CPU client, and a value
+    set after that would misstate the client's mode. None turns asynchronous dispatch off unless
+    the environment sets JAX_CPU_ENABLE_ASYNC_DISPATCH (a user's own choice stands)."""
+    if xla_bridge.backends_are_initialized():
+        return
+    if async_dispatch is None:
+        if ASYNC_DISPATCH_ENV in os.environ:
+            return
+        async_dispatch = False
+    jax.config.update("jax_cpu_enable_async_dispatch", async_dispatch)
+
+
 class LLMEngine:
     """Continuous batching over a paged KV cache: add_request, step, abort_request (the
     EngineClient protocol, paged_jax/engine_client.py)."""
@@ -57,8 +78,7 @@ class LLMEngine:
         (jax.distributed) or explicit devices, the engine runs on a "tp" Mesh over them.
         """
         self.config = c = config
-        # Before anything below starts jax's backends (EngineConfig.cpu_async_dispatch).
-        jax.config.update("jax_cpu_enable_async_dispatch", c.cpu_async_dispatch)
+        set_cpu_dispatch(c.cpu_async_dispatch)  # before anything below starts jax's backends
         enable_compile_cache(c.compile_cache_dir, jax.process_count())
         self.mesh = None
         check_multiprocess_config(c.tensor_parallel_size, c.data_parallel_size)

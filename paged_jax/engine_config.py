@@ -110,13 +110,14 @@ class EngineConfig:
     layers_per_program: int | None = knob(None, "decoder layers per compiled program (default: up to 6, fast "
                                           "start-up); the layer count compiles the whole stack as one program, "
                                           "for the fastest steps")
-    # jax's asynchronous dispatch on the CPU (jax_cpu_enable_async_dispatch): process-wide, read
-    # when jax creates its CPU client, so the engine sets it only to have it take effect when it
-    # is the first to use jax (LLMEngine.__init__); a client already made keeps its mode.
-    cpu_async_dispatch: bool = knob(False, "run CPU programs on jax's dispatch thread (jax's default) instead of "
-                                    "inline: a step waits for its results anyway, and the hand-offs cost a "
-                                    "single-stream decode up to 12% (docs/BENCHMARKS.md section 18); applies when "
-                                    "the engine is the first to start jax")
+    # jax's asynchronous dispatch on the CPU (jax_cpu_enable_async_dispatch): process-wide and
+    # read when jax creates its CPU client, so the engine sets it only while no client exists
+    # (set_cpu_dispatch in engine.py); a client already made keeps its mode.
+    cpu_async_dispatch: bool | None = knob(
+        None, "run CPU programs on jax's dispatch thread (jax's default) instead of inline (default: inline, "
+        "unless JAX_CPU_ENABLE_ASYNC_DISPATCH is set: a step waits for its results anyway, and the hand-offs "
+        "cost a single-stream decode up to 12%, docs/BENCHMARKS.md section 18); applies when the engine is the "
+        "first to start jax")
     warm_up: str | bool = knob("background", "background: ready after the smallest bucket, the rest compile "
                                "while serving; full: every bucket first; none: each on first use (True / False "
                                "in Python: full / none)", choices=WARM_UP_MODES)
