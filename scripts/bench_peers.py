@@ -6,8 +6,12 @@ alternating which goes first; the table shows medians over rounds and their rati
 
 - paged-jax: LLM(weight_dtype=..., activation_dtype=...) in this process, warmed up (every bucket compiled), one
   request at a time; decode tok/s = (new tokens - 1) / (time after the first token).
-- llama.cpp: llama-server (-t N -np 1), its /completion endpoint with the same token ids,
-  timings from its own report (predicted_per_second, prompt_ms); and llama-bench tg128.
+- llama.cpp: llama-bench on the prompt rows' own workload (--max-tokens decoded after a context
+  of --prompt-tokens: -p 0 -n 256 -d 300) with flash attention on and off, and tg128 with the
+  faster; llama-server (-t N -np 1, that flash attention setting; -ub 1 where the build crashes
+  on multi-token batches, LlamaServer) through its /completion endpoint with the same token
+  ids, timings from its own report (predicted_per_second, prompt_ms). Ratios are to
+  llama-server, or without it (--no-server) to llama-bench's faster run of the same workload.
 - tg128 rows: llama-bench's workload (128 tokens decoded from an empty context: -p 0 -n 128)
   beside paged-jax decoding 128 tokens after a 1-token prompt, so that the two decode over
   the same (near-empty) contexts; the 300-token rows decode over 300-556 tokens of context.
@@ -108,12 +112,25 @@ def _post(url: str, body: dict) -> dict:
 
 
 class LlamaServer:
-    def __init__(self, llama_dir: str, gguf: str, threads: int, ctx: int):
-        self.port = _free_port()
-        self.proc = subprocess.Popen([os.path.join(llama_dir, "llama-server"), "-m", gguf, "-t", str(threads),
-                                      "-np", "1", "-c", str(ctx), "--port", str(self.port), "--no-webui"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_healthy(f"http://127.0.0.1:{self.port}", self.proc, "llama-server", 120)
+    """llama-server with one slot. Some builds crash on batches of several tokens on some CPUs
+    (build 11434 on an Intel VM with AMX: at start-up, and in llama-bench's prompt runs); there
+    it is restarted with one token a batch (-ub 1), which leaves decoding as it is but makes
+    its prompt processing, so its TTFT, token by token (`one_token_batches`)."""
+
+    def __init__(self, llama_dir: str, gguf: str, threads: int, ctx: int, flash_attn: str = "auto"):
+        self.one_token_batches = False
+        for extra in ([], ["-ub", "1"]):
+            self.port = _free_port()
+            self.proc = subprocess.Popen([os.path.join(llama_dir, "llama-server"), "-m", gguf, "-t", str(threads),
+                                          "-np", "1", "-c", str(ctx), "-fa", flash_attn, "--port", str(self.port),
+                                          "--no-webui", *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                _wait_healthy(f"http://127.0.0.1:{self.port}", self.proc, "llama-server", 120)
+                self.one_token_batches = bool(extra)
+                return
+            except RuntimeError:
+                if extra or self.proc.poll() is None:  # not a crash at start-up, or the retry's
+                    raise
 
     def run(self, prompt_ids: list[int], max_tokens: int) -> dict:
         out = _post(f"http://127.0.0.1:{self.port}/completion",
@@ -128,9 +145,13 @@ class LlamaServer:
         self.proc.wait(30)
 
 
-def llama_bench_tg(llama_dir: str, gguf: str, threads: int) -> float:
+def llama_bench_tg(llama_dir: str, gguf: str, threads: int, tokens: int = 128, depth: int = 0,
+                   flash_attn: str = "auto") -> float:
+    """llama-bench's decode tok/s: `tokens` generated after a context of `depth` tokens (-d:
+    prefilled first, untimed, one token per batch: -ub 1, see LlamaServer), mean of 3 runs."""
     out = subprocess.run([os.path.join(llama_dir, "llama-bench"), "-m", gguf, "-t", str(threads), "-p", "0",
-                          "-n", "128", "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
+                          "-n", str(tokens), "-d", str(depth), "-ub", "1", "-fa", flash_attn, "-r", "3",
+                          "-o", "json"], capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
@@ -348,7 +369,13 @@ def main() -> None:
     rows, result = [], {"machine": machine_info(), "command": command_line(), "prompt_tokens": args.prompt_tokens,
                         "max_tokens": args.max_tokens, "rounds": args.rounds, "runs": {}}
     ours = {v: PagedJax(gguf, v) for v in args.engines}
-    server = None if args.no_server else LlamaServer(llama_dir, gguf, threads, ctx=1024)
+    # The prompt rows' own workload in llama-bench (max_tokens decoded after prompt_tokens of
+    # context), with and without flash attention: llama.cpp's default (auto: on) was 1.9x slower
+    # at 300 tokens of context on this project's VMs; its server runs with the faster.
+    at_depth = {fa: llama_bench_tg(llama_dir, gguf, threads, args.max_tokens, args.prompt_tokens, fa)
+                for fa in ("on", "off")}
+    best_fa = max(at_depth, key=at_depth.get)
+    server = None if args.no_server else LlamaServer(llama_dir, gguf, threads, ctx=1024, flash_attn=best_fa)
     runs = {name: [] for name in [*(f"paged-jax {wd}" for wd in ours), *(["llama-server"] if server else [])]}
     tokens = {}
     try:
@@ -369,9 +396,11 @@ def main() -> None:
     for r in range(args.rounds):
         for name in tg128:
             tg128[name].append(ours[name.split(" ", 1)[1]].run(prompt_ids[:1], 129)["decode_tok_s"])
-    tg = llama_bench_tg(llama_dir, gguf, threads)
-    # Without a server, ratios are to llama-bench tg128 and tokens are not compared.
-    base = median(x["decode_tok_s"] for x in runs["llama-server"]) if server else tg
+    tg = llama_bench_tg(llama_dir, gguf, threads, flash_attn=best_fa)
+    depth_name = f"llama-bench tg{args.max_tokens} at depth {args.prompt_tokens}"
+    # Without a server, ratios are to llama-bench's faster run of the same workload, and tokens
+    # are not compared.
+    base = median(x["decode_tok_s"] for x in runs["llama-server"]) if server else at_depth[best_fa]
     for name, xs in runs.items():
         tok_s = median(x["decode_tok_s"] for x in xs)
         same = f"{sum(a == b for a, b in zip(tokens[name], tokens['llama-server']))}/{len(tokens[name])}" \
@@ -379,17 +408,26 @@ def main() -> None:
         rows.append([name, f"{tok_s:.1f}", f"{min(x['decode_tok_s'] for x in xs):.1f}-"
                      f"{max(x['decode_tok_s'] for x in xs):.1f}", f"{tok_s / base:.2f}x",
                      f"{median(x['ttft_ms'] for x in xs):.0f}", same])
-    rows.append(["llama-bench tg128", f"{tg:.1f}", "", f"{tg / base:.2f}x", "", ""])
+    for fa, tok_s in at_depth.items():
+        rows.append([f"{depth_name}, flash attention {fa}", f"{tok_s:.1f}", "", f"{tok_s / base:.2f}x", "", ""])
+    rows.append([f"llama-bench tg128, flash attention {best_fa}", f"{tg:.1f}", "", f"{tg / base:.2f}x", "", ""])
     for name, xs in tg128.items():
         rows.append([f"{name}, tg128 (1-token prompt)", f"{median(xs):.1f}", f"{min(xs):.1f}-{max(xs):.1f}",
                      f"{median(xs) / base:.2f}x ({median(xs) / tg:.2f}x llama-bench)", "", ""])
     result["runs"], result["llama_bench_tg128"], result["paged_jax_tg128"] = runs, tg, tg128
+    result["llama_bench_at_depth"] = {"tokens": args.max_tokens, "depth": args.prompt_tokens,
+                                      "tok_s_by_flash_attn": at_depth}
+    result["llama_flash_attn"] = best_fa
+    result["llama_server_one_token_batches"] = server is not None and server.one_token_batches
     result["first_tokens"] = {k: v[:32] for k, v in tokens.items()}
     print_table(f"single stream, {args.prompt_tokens}-token prompt, {args.max_tokens} greedy tokens, "
                 f"{threads} threads ({result['machine'].get('cpu')})",
-                ["engine", "decode tok/s (median)", "range", "vs llama-server" if server else "vs llama-bench tg128",
+                ["engine", "decode tok/s (median)", "range", "vs llama-server" if server else f"vs {depth_name}",
                  "TTFT ms", "tokens = llama.cpp's"],
                 rows)
+    if result["llama_server_one_token_batches"]:
+        print("llama-server ran with -ub 1 (its build crashes on multi-token batches here): its TTFT is a "
+              "token-by-token prefill, not comparable; its decode is unaffected.")
     write_json(args.out or "results/bench_peers.json", result)
     if len(args.workloads) > 1:
         result = {"machine": machine_info(), "command": command_line(), "rounds": args.rounds,
