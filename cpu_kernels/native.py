@@ -27,7 +27,7 @@ __all__ = ["SOURCES", "build", "enabled", "register"]
 logger = logging.getLogger(__name__)
 _DISABLE_ENV = "PAGED_JAX_NATIVE_KERNELS"
 # One library: the kernels share thread_team.h's helpers (two teams would spin against each other).
-SOURCES = ("quant_matmul.cc", "paged_attention.cc", "decoder_layer.cc")
+SOURCES = ("quant_matmul.cc", "paged_attention.cc", "decoder_layer.cc", "row_stats.cc")
 
 
 def enabled() -> bool:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paged_jax.sampler import SAMPLING_EPS, _top_k_top_p, first_argmax, process_logits
+from paged_jax.sampler import SAMPLING_EPS, _top_k_top_p, greedy_and_log_norm, process_logits
 
 
 def _position_key_data(rng_keys, num_positions):
@@ -177,7 +177,7 @@ def rejection_sample(target_logits, draft_token_ids, num_draft_tokens, sampling_
 
     # greedy: a kept draft equals the argmax, so every emitted token is the argmax at its position.
     is_greedy = temperature < SAMPLING_EPS
-    greedy_tokens = first_argmax(logits)  # i32[S, K + 1]
+    greedy_tokens, log_norm = greedy_and_log_norm(raw, logits)  # i32[S, K + 1], f32[S, K + 1]
     greedy_accepted = has_draft & (draft_token_ids == greedy_tokens[:, :max_drafts])
 
     def mixed():
@@ -195,9 +195,7 @@ def rejection_sample(target_logits, draft_token_ids, num_draft_tokens, sampling_
     stop = num_accepted[:, None]
     output_token_ids = jnp.where(position < stop, kept, jnp.where(position == stop, stop_tokens, -1))
 
-    # Raw logprobs with sampler.sample's arithmetic, so a draft-free step matches it exactly.
-    row_max = raw.max(axis=-1, keepdims=True)
-    log_norm = row_max[..., 0] + jnp.log(jnp.exp(raw - row_max).sum(axis=-1))
+    # Raw logprobs with sampler.sample's arithmetic (log_norm above), so a draft-free step matches it exactly.
     emitted = output_token_ids >= 0
     token_logit = jnp.take_along_axis(raw, jnp.where(emitted, output_token_ids, 0)[..., None], axis=-1)[..., 0]
     logprobs = jnp.where(emitted, token_logit - log_norm, 0.0)

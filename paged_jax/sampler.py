@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from cpu_kernels.row_stats import argmax_logsumexp, argmax_logsumexp_reference
+
 # Temperatures below this are greedy, as in vLLM (dividing by ~0 would overflow the logits).
 SAMPLING_EPS = 1e-5
 
@@ -123,23 +125,31 @@ def sample(logits, sampling_metadata, processing=None):
     logits = raw if processing is None else process_logits(raw, processing)
     temperature = temperature.astype(jnp.float32)
     is_greedy = temperature < SAMPLING_EPS
-    greedy = first_argmax(logits)
+    greedy, log_norm = greedy_and_log_norm(raw, logits)
     token_ids = jax.lax.cond(
         jnp.all(is_greedy),
         lambda: greedy,  # all-greedy steps skip the random draw entirely
         lambda: jnp.where(is_greedy, greedy, _sample_random(logits, temperature, top_k, top_p.astype(jnp.float32), rng_keys)),
     )
-    row_max = raw.max(axis=-1, keepdims=True)
-    log_norm = row_max[:, 0] + jnp.log(jnp.exp(raw - row_max).sum(axis=-1))
     logprobs = jnp.take_along_axis(raw, token_ids[:, None], axis=-1)[:, 0] - log_norm
     return token_ids, logprobs
+
+
+def greedy_and_log_norm(raw, logits):
+    """(first_argmax(logits) i32[...], logsumexp(raw) f32[...]) over the last axis: the greedy
+    token of the processed logits and the raw distribution's normaliser (one pass of
+    cpu_kernels/row_stats.py where the two are the same array; the native kernel on a CPU,
+    XLA's reductions elsewhere). Both samplers take them from here, so a verification step
+    without proposals gives a plain step's logprobs exactly."""
+    greedy, log_norm = argmax_logsumexp(raw)
+    if logits is not raw:
+        greedy = first_argmax(logits)
+    return greedy, log_norm
 
 
 def first_argmax(logits):
     """The first index of each row's maximum (i32[...]), as two plain reductions (the row
     max, then the first index holding it): XLA's CPU argmax is a (value, index) pair reduction
-    that does not vectorise, much slower on XLA:CPU. A NaN row gives the last id."""
-    vocab = logits.shape[-1]
-    row_max = logits.max(axis=-1, keepdims=True)
-    first_max = jnp.where(logits == row_max, jnp.arange(vocab, dtype=jnp.int32), vocab).min(axis=-1)
-    return jnp.minimum(first_max, vocab - 1)  # a NaN row matches nothing: clamp to a valid id
+    that does not vectorise, much slower on XLA:CPU. A NaN row gives the last id. (The
+    reference's log-sum-exp is dead code here, which XLA drops.)"""
+    return argmax_logsumexp_reference(logits)[0]
