@@ -25,7 +25,7 @@ SmolLM2-135M-Instruct (the real GGUF) beside them (issue 26).
    the prefill, every later one a decode of one token. Per run: median decode step time;
    tok/s is 1 / the median of the runs' medians. Each beside its bandwidth limits as a fraction.
 4. Where a decode step's time goes: the same engine, its step taken apart (schedule, build,
-   pack + device_put, embed, each layer program, head, results to host, update), a
+   pack + put (device_put off the CPU), embed, each layer program, head, results to host, update), a
    block_until_ready after each program, medians over the decode steps; then jax's profiler
    over plain engine.step() decode steps: the device thunks' self time (a while loop's body
    thunks are not counted twice) by kind (matmuls, attention, the rest) and busiest first,
@@ -248,8 +248,8 @@ class TimedStep:
         shape = inputs.model.token_ids.shape[0], inputs.attention.seq_lens.shape[0]
         assert r.compiler.choose_shape(*shape) == shape, "the step's own bucket is not compiled"
         embed, layers, head, *_ = r._programs_for(shape)
-        packed = jax.device_put(pack_step_inputs(inputs)).block_until_ready()
-        lap("host: pack + device_put")
+        packed = jax.block_until_ready(r._put(pack_step_inputs(inputs)))  # the host array itself on a CPU
+        lap("host: pack + put")
         x = embed(r._head_leaves, packed).block_until_ready()
         lap("embed")
         kv_caches, groups = r.pool.kv_caches, r.layer_groups(shape[0])
