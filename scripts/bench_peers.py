@@ -130,6 +130,7 @@ class LlamaServer:
                 return
             except RuntimeError:
                 if extra or self.proc.poll() is None:  # not a crash at start-up, or the retry's
+                    self.close()
                     raise
 
     def run(self, prompt_ids: list[int], max_tokens: int) -> dict:
