@@ -65,11 +65,8 @@ class LayerWeights(NamedTuple):
 def build_and_register(extra_flags=(), prefix: str = _PREFIX) -> bool:
     """Builds decoder_layer.cc (cpu_kernels/native.py) with extra_flags and registers its
     handlers with XLA as prefix_<f32|bf16>. False (with a warning) when it cannot be built."""
-    path = native.build(extra_flags)
-    if path is None:
-        return False
-    native.register(path, {f"{prefix}_{suffix}": f"{_PREFIX}_{suffix}" for suffix in _CACHE_SUFFIXES.values()})
-    return True
+    return native.build_and_register(extra_flags, {f"{prefix}_{suffix}": f"{_PREFIX}_{suffix}"
+                                                   for suffix in _CACHE_SUFFIXES.values()})
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,7 +22,7 @@ import tempfile
 
 import jax
 
-__all__ = ["SOURCES", "build", "enabled", "register"]
+__all__ = ["SOURCES", "build", "build_and_register", "enabled", "register"]
 
 logger = logging.getLogger(__name__)
 _DISABLE_ENV = "PAGED_JAX_NATIVE_KERNELS"
@@ -81,6 +81,16 @@ def build(extra_flags=()) -> str | None:
                        detail.decode(errors="replace")[-500:])
         return None
     return path
+
+
+def build_and_register(extra_flags, targets: dict[str, str]) -> bool:
+    """build(extra_flags), then register its handlers {target: symbol}; False (with build's
+    warning) when the library cannot be built. Each kernel module names its own targets."""
+    path = build(extra_flags)
+    if path is None:
+        return False
+    register(path, targets)
+    return True
 
 
 def register(path: str, targets: dict[str, str]) -> None:

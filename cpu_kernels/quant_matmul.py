@@ -256,12 +256,9 @@ def _targets(fmt: str, activations: str, prefix: str = _TARGET) -> str:
 def build_and_register(extra_flags=(), prefix: str = _TARGET) -> bool:
     """Builds quant_matmul.cc (cpu_kernels/native.py) with extra_flags and registers its
     handlers with XLA as prefix_<format>[_i8]. False (with a warning) when it cannot be built."""
-    path = native.build(extra_flags)
-    if path is None:
-        return False
-    native.register(path, {_targets(fmt, acts, prefix): _targets(fmt, acts)
-                           for fmt in WEIGHT_FORMATS for acts in ACTIVATIONS if acts == "float32" or fmt in TILED})
-    return True
+    return native.build_and_register(extra_flags, {
+        _targets(fmt, acts, prefix): _targets(fmt, acts)
+        for fmt in WEIGHT_FORMATS for acts in ACTIVATIONS if acts == "float32" or fmt in TILED})
 
 
 @functools.lru_cache(maxsize=None)

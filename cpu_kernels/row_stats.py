@@ -24,11 +24,7 @@ _TARGET = "pj_argmax_logsumexp"
 def build_and_register(extra_flags=(), prefix: str = _TARGET) -> bool:
     """Builds the kernels (cpu_kernels/native.py) with extra_flags and registers this one's
     handler with XLA as `prefix`. False (with a warning) when it cannot be built."""
-    path = native.build(extra_flags)
-    if path is None:
-        return False
-    native.register(path, {prefix: _TARGET})
-    return True
+    return native.build_and_register(extra_flags, {prefix: _TARGET})
 
 
 @functools.lru_cache(maxsize=None)
