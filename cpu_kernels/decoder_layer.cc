@@ -21,7 +21,8 @@
 // follows (norm, RoPE and the KV write, SwiGLU, preparing the next matmul's x) and opens the
 // next phase, and a helper with nothing to do waits for it spinning, only inside the call. The
 // calling thread can do every phase alone, so a helper that starts late, or never, costs only
-// time. docs/BENCHMARKS.md section 18 measures it.
+// time. A thread that waits (for the last chunk, or for the serial work) asks for the weights it
+// will read first in the next phase (work below). docs/BENCHMARKS.md section 18 measures it.
 
 #include "paged_attention.h"
 #include "quant_matmul.h"
@@ -36,13 +37,14 @@ enum Phase { kQKV = 0, kAttend = 1, kOut = 2, kGateUp = 3, kDown = 4, kDone = 5 
 // One matmul of the layer (a Work of quant_matmul.h, and the loops of its weights' format).
 struct Matmul {
   Work work;
-  bool (*run)(Work&) = nullptr;
+  int64_t stride = 0;  // a tile's bytes
+  bool (*run)(Work&, bool from_back) = nullptr;
   void (*prepare)(Work&) = nullptr;  // x's side inputs (none for bf16 rows)
 };
 
 template <int kFormat, int kActs>
-bool run_matmul(Work& wk) {
-  return run_chunks<kFormat, kActs>(wk);
+bool run_matmul(Work& wk, bool from_back) {
+  return run_chunks<kFormat, kActs>(wk, from_back);
 }
 template <int kActs>
 void prepare_matmul(Work& wk) {
@@ -69,6 +71,7 @@ bool set_up(Matmul& mm, int format, int acts, const float* x, int64_t m, int64_t
     default: return false;
   }
   mm.prepare = format == kBF16 ? nullptr : acts == kI8 ? prepare_matmul<kI8> : prepare_matmul<kF32>;
+  mm.stride = tile_bytes(format, k);
   Work& wk = mm.work;
   wk.x = x;
   wk.m = m;
@@ -142,8 +145,10 @@ struct Layer {
   float* out;
   int64_t t, d, hq, hkv, dim, f;
   float eps;
+  int64_t threads;  // the caller and its helpers
   // the phases' work
   Matmul qkv, o, gate_up, down;
+  Matmul next_qkv;          // the next layer's q/k/v (only asked for: work below); run == nullptr: none
   Job<KV> attend;
   int64_t num_tasks = 0;
   int64_t splits = 1;          // key ranges per (row, KV head): num_tasks = rows * hkv * splits
@@ -258,14 +263,63 @@ void open(Layer<KV>& L, int p) {
   L.phase.store(p, std::memory_order_release);
 }
 
+// The first matmul phase after phase `seen`, and its Matmul (after the last one, the next
+// layer's q/k/v where the call was given them; nullptr: none is left).
+template <typename KV>
+std::pair<int, Matmul*> next_matmul(Layer<KV>& L, int seen) {
+  if (seen < kQKV) return {kQKV, &L.qkv};
+  if (seen < kOut) return {kOut, &L.o};
+  if (seen < kGateUp) return {kGateUp, &L.gate_up};
+  if (seen < kDown) return {kDown, &L.down};
+  return {kDone, L.next_qkv.run ? &L.next_qkv : nullptr};
+}
+
+// What a waiting thread has asked for of the next matmul phase's weights (work below).
+struct IdlePrefetch {
+  int phase = -1;
+  int64_t chunks = 0;  // its chunks asked for, counted from this thread's end (take_chunk)
+  int64_t offset = 0;  // bytes of the next one asked for
+  int64_t bytes = 0;
+};
+
+// At most this much of a phase's weights is asked for ahead by each waiting thread.
+#ifndef PJ_IDLE_PREFETCH_BYTES
+#define PJ_IDLE_PREFETCH_BYTES (128 * 1024)
+#endif
+constexpr int64_t kIdlePrefetchBytes = PJ_IDLE_PREFETCH_BYTES, kIdlePrefetchStep = 4096;
+
+// Asks for the next kIdlePrefetchStep bytes (into L2) of the weights this thread will read first
+// in the first matmul phase after `seen`: the chunks it would take from its end, up to its share
+// of them and kIdlePrefetchBytes. False when there is nothing (more) to ask for.
+template <typename KV>
+bool prefetch_next(Layer<KV>& L, int seen, bool from_back, IdlePrefetch& pf) {
+  const auto [p, mm] = next_matmul(L, seen);
+  if (mm == nullptr) return false;
+  if (pf.phase != p) pf = IdlePrefetch{p};
+  const Work& wk = mm->work;
+  if (pf.chunks >= (wk.num_chunks + L.threads - 1) / L.threads || pf.bytes >= kIdlePrefetchBytes) return false;
+  const int64_t c = from_back ? wk.num_chunks - 1 - pf.chunks : pf.chunks;
+  int part = 0;
+  while (part + 1 < wk.num_parts && wk.parts[part + 1].first_chunk <= c) ++part;
+  const Part& pt = wk.parts[part];
+  const int64_t t0 = (c - pt.first_chunk) * wk.chunk_tiles, t1 = std::min(pt.num_tiles, t0 + wk.chunk_tiles);
+  const int64_t size = (t1 - t0) * mm->stride, n = std::min(kIdlePrefetchStep, size - pf.offset);
+  const char* begin = reinterpret_cast<const char*>(pt.w + t0 * mm->stride + pf.offset);
+  for (int64_t j = 0; j < n; j += 64) _mm_prefetch(begin + j, _MM_HINT_T1);
+  pf.bytes += n;
+  pf.offset += n;
+  if (pf.offset == size) ++pf.chunks, pf.offset = 0;
+  return true;
+}
+
 // This thread's share of phase p; true when it finished the phase's last chunk.
 template <typename KV>
-bool run_phase(Layer<KV>& L, int p) {
+bool run_phase(Layer<KV>& L, int p, bool from_back) {
   switch (p) {
-    case kQKV: return L.qkv.run(L.qkv.work);
-    case kOut: return L.o.run(L.o.work);
-    case kGateUp: return L.gate_up.run(L.gate_up.work);
-    case kDown: return L.down.run(L.down.work);
+    case kQKV: return L.qkv.run(L.qkv.work, from_back);
+    case kOut: return L.o.run(L.o.work, from_back);
+    case kGateUp: return L.gate_up.run(L.gate_up.work, from_back);
+    case kDown: return L.down.run(L.down.work, from_back);
     case kAttend: {
       Job<KV>& job = L.attend;
       std::vector<float> scores;
@@ -294,18 +348,26 @@ bool run_phase(Layer<KV>& L, int p) {
   return false;
 }
 
+// A thread's part of the layer: the calling thread takes the matmuls' chunks from the front,
+// helpers from the back. A thread waiting for the next phase (the others finish theirs, or
+// one does the serial work) asks for the weights it will read first in the next matmul phase,
+// or at the last one's end the next layer's q/k/v: those waits are time in which nobody reads
+// the weights from memory. It asks only while it waits inside the call: a helper that went on
+// asking after the call ended, while the calling thread set the next call up, made a layer
+// stack slower (docs/BENCHMARKS.md section 18, eighth pass).
 template <typename KV>
-void work(Layer<KV>& L) {
+void work(Layer<KV>& L, bool helper) {
   int seen = -1;  // the latest phase this thread took part in
+  IdlePrefetch pf;
   for (;;) {
     const int p = L.phase.load(std::memory_order_acquire);
     if (p == kDone) return;
     if (p <= seen) {
-      _mm_pause();
+      if (!prefetch_next(L, seen, helper, pf)) _mm_pause();
       continue;
     }
     seen = p;
-    if (run_phase(L, p)) finish(L, p);
+    if (run_phase(L, p, helper)) finish(L, p);
   }
 }
 
@@ -317,12 +379,13 @@ template <ffi::DataType kKV>
 ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
                          ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> w_in, ffi::Buffer<ffi::F32> w_post,
                          ffi::AnyBuffer wq, ffi::AnyBuffer wk, ffi::AnyBuffer wv, ffi::AnyBuffer wo,
-                         ffi::AnyBuffer wg, ffi::AnyBuffer wu, ffi::AnyBuffer wd, ffi::Buffer<kKV>,
+                         ffi::AnyBuffer wg, ffi::AnyBuffer wu, ffi::AnyBuffer wd, ffi::AnyBuffer next_wq,
+                         ffi::AnyBuffer next_wk, ffi::AnyBuffer next_wv, ffi::Buffer<kKV>,
                          ffi::Buffer<kKV>, ffi::Buffer<ffi::S32> slot_mapping, ffi::Buffer<ffi::S32> block_tables,
                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> query_start_loc,
                          ffi::Buffer<ffi::S32> num_rows, float eps, float sm_scale, int32_t sliding_window,
                          int32_t num_heads, int32_t intermediate_size, int32_t format_qkv, int32_t format_o,
-                         int32_t format_gate_up, int32_t format_down, int32_t activations,
+                         int32_t format_gate_up, int32_t format_down, int32_t format_next_qkv, int32_t activations,
                          ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<kKV> k_out, ffi::ResultBuffer<kKV> v_out) {
   using KV = std::conditional_t<kKV == ffi::DataType::F32, float, uint16_t>;
   auto xd = x.dimensions();
@@ -345,6 +408,8 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
   L->v_cache = reinterpret_cast<KV*>(v_out->untyped_data());
   L->out = out->typed_data();
   L->t = t, L->d = d, L->hq = hq, L->hkv = hkv, L->dim = dim, L->f = f, L->eps = eps;
+  auto& team = paged_jax::thread_team();
+  L->threads = team.num_helpers() + 1;
   // The scratch: a is zero where no row attends (prefill rows, padding).
   const int64_t sizes[] = {t * d, t * hq * dim, t * hkv * dim, t * hkv * dim, t * hq * dim, t * d, t * f, t * f,
                            t * f, t * d, t * hq * kMaxSplits * (dim + 2)};
@@ -366,6 +431,11 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
       !set_up(L->gate_up, format_gate_up, activations, L->n, t, d, gate_up, 2) ||
       !set_up(L->down, format_down, activations, L->act, t, f, down, 1))
     return ffi::Error::InvalidArgument("a weight's bytes do not fit its format and the layer's sizes");
+  const WeightArg next_qkv[3] = {{data_of(next_wq), rows_of(next_wq), bytes_of(next_wq), nullptr, hq * dim},
+                                 {data_of(next_wk), rows_of(next_wk), bytes_of(next_wk), nullptr, hkv * dim},
+                                 {data_of(next_wv), rows_of(next_wv), bytes_of(next_wv), nullptr, hkv * dim}};
+  if (format_next_qkv >= 0 && !set_up(L->next_qkv, format_next_qkv, activations, nullptr, t, d, next_qkv, 3))
+    return ffi::Error::InvalidArgument("the next layer's q / k / v bytes do not fit its format and this layer's sizes");
   if (d % kBlock || (hq * dim) % kBlock || f % kBlock)
     return ffi::Error::InvalidArgument("the layer's matmul inputs must be multiples of 32");
   Job<KV>& job = L->attend;
@@ -387,7 +457,6 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
   for (int64_t s = 0; s < rows; ++s)
     if (job.qsl[s + 1] - job.qsl[s] == 1 && job.qsl[s] < t && job.seq_lens[s] > 0) job.seqs.push_back(s);
   L->num_tasks = int64_t(job.seqs.size()) * hkv;
-  auto& team = paged_jax::thread_team();
   // Fewer (row, KV head) tasks than a few per thread (one sequence decoding): split each
   // one's keys in ranges of at least kSplitKeys.
   int64_t longest = 0;
@@ -396,11 +465,11 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
     L->splits = std::clamp<int64_t>(longest / kSplitKeys, 1, kMaxSplits);
     L->num_tasks *= L->splits;
   }
-  team.post([L] { work(*L); }, team.num_helpers(), paged_jax::ThreadTeam::kLinger);
+  team.post([L] { work(*L, true); }, team.num_helpers(), paged_jax::ThreadTeam::kLinger);
   for (int64_t i = 0; i < t; ++i) rms_norm(L->x + i * d, L->w_in, eps, d, &L->n[i * d]);
   if (L->qkv.prepare) L->qkv.prepare(L->qkv.work);
   open(*L, kQKV);
-  work(*L);
+  work(*L, false);
   return ffi::Error::Success();
 }
 
@@ -421,6 +490,9 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
                                     .Arg<ffi::AnyBuffer>()          /* wg */      \
                                     .Arg<ffi::AnyBuffer>()          /* wu */      \
                                     .Arg<ffi::AnyBuffer>()          /* wd */      \
+                                    .Arg<ffi::AnyBuffer>()          /* next_wq */ \
+                                    .Arg<ffi::AnyBuffer>()          /* next_wk */ \
+                                    .Arg<ffi::AnyBuffer>()          /* next_wv */ \
                                     .Arg<ffi::Buffer<kv>>()         /* k_cache */ \
                                     .Arg<ffi::Buffer<kv>>()         /* v_cache */ \
                                     .Arg<ffi::Buffer<ffi::S32>>()   /* slots */   \
@@ -437,6 +509,7 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
                                     .Attr<int32_t>("format_o")                    \
                                     .Attr<int32_t>("format_gate_up")              \
                                     .Attr<int32_t>("format_down")                 \
+                                    .Attr<int32_t>("format_next_qkv")             \
                                     .Attr<int32_t>("activations")                 \
                                     .Ret<ffi::Buffer<ffi::F32>>()                 \
                                     .Ret<ffi::Buffer<kv>>()                       \

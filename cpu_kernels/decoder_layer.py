@@ -84,16 +84,21 @@ def usable(weights: LayerWeights, k_cache, activations: str) -> bool:
             and activations in ACTIVATIONS and native_available())
 
 
-def _check(x, weights: LayerWeights, cos, k_cache, num_heads: int, intermediate_size: int):
+def _check(x, weights: LayerWeights, cos, k_cache, num_heads: int, intermediate_size: int,
+           next_weights: LayerWeights | None = None):
     t, d = x.shape
     _, _, num_kv_heads, head_dim = k_cache.shape
     expected = {"q": (num_heads * head_dim, d), "k": (num_kv_heads * head_dim, d), "v": (num_kv_heads * head_dim, d),
                 "o": (d, num_heads * head_dim), "gate": (intermediate_size, d), "up": (intermediate_size, d),
                 "down": (d, intermediate_size)}
-    for name, (n, k) in expected.items():
-        w = getattr(weights, name)
+    checks = [(f"weights.{name}", getattr(weights, name), shape) for name, shape in expected.items()]
+    if next_weights is not None:
+        checks += [(f"next_weights.{name}", getattr(next_weights, name), expected[name]) for name in ("q", "k", "v")]
+        if not next_weights.q.format == next_weights.k.format == next_weights.v.format:
+            raise ValueError("next_weights.q, .k and .v must share one format, as the layer's own do")
+    for name, w, (n, k) in checks:
         if w.format not in WEIGHT_FORMATS or tuple(w.data.shape) != stored_shape(w.format, n, k):
-            raise ValueError(f"weights.{name}: {w.format} data of shape {tuple(w.data.shape)} is not a [{n}, {k}] "
+            raise ValueError(f"{name}: {w.format} data of shape {tuple(w.data.shape)} is not a [{n}, {k}] "
                              f"weight (stored as {stored_shape(w.format, n, k) if w.format in WEIGHT_FORMATS else '?'})")
     if cos.shape != (t, head_dim // 2):
         raise ValueError(f"cos and sin must be [T, head_dim / 2] = {(t, head_dim // 2)}; got {cos.shape}")
@@ -103,7 +108,7 @@ def _check(x, weights: LayerWeights, cos, k_cache, num_heads: int, intermediate_
 
 def decoder_layer(x, weights: LayerWeights, cos, sin, k_cache, v_cache, slot_mapping, rows, *, eps: float,
                   sm_scale: float, num_heads: int, intermediate_size: int, sliding_window: int | None = None,
-                  activations: str = "float32", prefix: str = _PREFIX):
+                  activations: str = "float32", next_weights: LayerWeights | None = None, prefix: str = _PREFIX):
     """The layer of the module docstring, as one native call (CPU only: callers check `usable`).
 
     Args:
@@ -118,15 +123,21 @@ def decoder_layer(x, weights: LayerWeights, cos, sin, k_cache, v_cache, slot_map
       eps: the RMSNorms' epsilon; sm_scale: the softmax scale; num_heads: query heads;
         intermediate_size: the MLP's F; sliding_window: None, or the keys a query sees.
       activations: "float32" (exact) or "int8" (the tiled weights' x quantized per block).
+      next_weights: the next layer's weights (of this layer's shapes), or None. The call's
+        helpers ask for their q / k / v from memory as they leave: between two calls nobody
+        else reads memory, so the next call finds the start of its work in the cache.
       prefix: the registered build's name (build_and_register).
     Returns:
       (f32[T, D] the layer's output, k_cache, v_cache with this step's keys and values).
     """
-    _check(x, weights, cos, k_cache, num_heads, intermediate_size)
+    _check(x, weights, cos, k_cache, num_heads, intermediate_size, next_weights)
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r} is not one of {ACTIVATIONS}")
     if sliding_window is not None and not 0 < sliding_window < 2**31:
         raise ValueError(f"{sliding_window=} must be None or a positive int32 (the keys each query sees)")
+    if next_weights is not None and next_weights.q.format not in _FORMAT_IDS:
+        raise ValueError(f"next_weights.q: format {next_weights.q.format!r} is not one the kernel reads "
+                         f"({sorted(_FORMAT_IDS)}): pass next_weights=None")
     if prefix == _PREFIX and not native_available():
         raise ValueError("the native decoder layer is not built here (no C++ compiler, not x86-64, or "
                          "PAGED_JAX_NATIVE_KERNELS=0): check usable() and run the layer's XLA path")
@@ -135,24 +146,28 @@ def decoder_layer(x, weights: LayerWeights, cos, sin, k_cache, v_cache, slot_map
     outs = (jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype),
             jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     w = weights
+    following = w if next_weights is None else next_weights  # without one, the own q / k / v (not asked for)
     i32 = lambda a: jnp.asarray(a).astype(jnp.int32)  # noqa: E731
-    return jax.ffi.ffi_call(f"{prefix}_{suffix}", outs, input_output_aliases={12: 1, 13: 2})(
+    return jax.ffi.ffi_call(f"{prefix}_{suffix}", outs, input_output_aliases={15: 1, 16: 2})(
         x.astype(jnp.float32), cos.astype(jnp.float32), sin.astype(jnp.float32),
         w.input_norm.astype(jnp.float32), w.post_norm.astype(jnp.float32),
         *(getattr(w, name).data for name in ("q", "k", "v", "o", "gate", "up", "down")),
-        k_cache, v_cache, i32(slot_mapping), i32(tables), i32(lens), i32(qsl), jnp.reshape(i32(num_rows), (1,)),
+        *(getattr(following, name).data for name in ("q", "k", "v")), k_cache, v_cache, i32(slot_mapping), i32(tables), i32(lens), i32(qsl), jnp.reshape(i32(num_rows), (1,)),
         eps=np.float32(eps), sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
         num_heads=np.int32(num_heads), intermediate_size=np.int32(intermediate_size),
         format_qkv=np.int32(_FORMAT_IDS[w.q.format]), format_o=np.int32(_FORMAT_IDS[w.o.format]),
         format_gate_up=np.int32(_FORMAT_IDS[w.gate.format]), format_down=np.int32(_FORMAT_IDS[w.down.format]),
+        format_next_qkv=np.int32(-1 if next_weights is None else _FORMAT_IDS[next_weights.q.format]),
         activations=np.int32(ACTIVATIONS.index(activations)))
 
 
 def decoder_layer_reference(x, weights: LayerWeights, cos, sin, k_cache, v_cache, slot_mapping, rows, *, eps: float,
                             sm_scale: float, num_heads: int, intermediate_size: int,
-                            sliding_window: int | None = None, activations: str = "float32"):
+                            sliding_window: int | None = None, activations: str = "float32",
+                            next_weights: LayerWeights | None = None):
     """decoder_layer in jnp: XLA's dequantized matmuls (quant_matmul's XLA path, which
-    quantizes x alike for int8 activations) and attention over each row's gathered pages."""
+    quantizes x alike for int8 activations) and attention over each row's gathered pages
+    (next_weights, which only says what to fetch ahead, changes nothing here)."""
     _check(x, weights, cos, k_cache, num_heads, intermediate_size)
     t, d = x.shape
     _, _, num_kv_heads, head_dim = k_cache.shape

@@ -104,9 +104,23 @@ struct Work {
   std::unique_ptr<int8_t[]> xq;    // [m, k] x quantized (i8 activations)
   std::unique_ptr<float[]> xd;     // [m, k / 32] its scales
   std::unique_ptr<int32_t[]> xqs;  // [m, k / 32] sums of its quantized values
-  std::atomic<int64_t> next{0};
+  // Chunks taken (take_chunk): the low 32 bits count those taken from the front, the high 32
+  // bits those taken from the back.
+  std::atomic<int64_t> taken{0};
   std::atomic<int64_t> done{0};
 };
+
+// The next chunk of wk for a thread that takes them from the front (0, 1, ...) or from the back
+// (num_chunks - 1, ...), or -1 when none is left: the first num_chunks takes, from either end,
+// are the valid ones, so the two ends meet without a chunk taken twice. Taking from both ends
+// lets each thread know before a phase opens which bytes it will read first (decoder_layer.cc
+// asks for them while it waits).
+inline int64_t take_chunk(Work& wk, bool from_back) {
+  const int64_t old = wk.taken.fetch_add(from_back ? int64_t(1) << 32 : 1);
+  const int64_t front = old & 0xffffffff, back = old >> 32;
+  if (front + back >= wk.num_chunks) return -1;
+  return from_back ? wk.num_chunks - 1 - back : front;
+}
 
 // out[i][lane] for r rows of x (rows i0..i0+r-1) and one tile's 16 outputs (`rows` of them
 // real: the last tile of a weight whose n is not a multiple of 16 has fewer).
@@ -542,11 +556,11 @@ constexpr int64_t tile_bytes(int format, int64_t k) {
 // Takes chunks of wk until none is left; true for the thread that finished its last chunk
 // (which then sees every other thread's results: the done counter's acquire-release).
 template <int kFormat, int kActs>
-bool run_chunks(Work& wk) {
+bool run_chunks(Work& wk, bool from_back = false) {
   bool last = false;
   const int64_t stride = tile_bytes(kFormat, wk.k);
   float out[kMaxRows][kTile];
-  for (int64_t c; (c = wk.next.fetch_add(1)) < wk.num_chunks;) {
+  for (int64_t c; (c = take_chunk(wk, from_back)) >= 0;) {
     int p = 0;
     while (p + 1 < wk.num_parts && wk.parts[p + 1].first_chunk <= c) ++p;
     const Part& part = wk.parts[p];

@@ -328,11 +328,13 @@ class ModelRunner:
             rows = {g: token_rows(view.block_tables, ragged_batch(view.seq_lens, view.query_start_loc,
                                                                   jnp.reshape(view.num_seqs, ())), x.shape[0])
                     for g, view in views.items()}
-        for i, (graphdef, group, params, c) in enumerate(zip(graphdefs, kv_groups, layer_params, cache_ids)):
-            layer = nnx.merge(graphdef, params)
+        layers = [nnx.merge(graphdef, params) for graphdef, params in zip(graphdefs, layer_params)]
+        for i, (layer, group, c) in enumerate(zip(layers, kv_groups, cache_ids)):
             out = None
             if rows is not None and hasattr(layer, "native_call"):
-                out = layer.native_call(x, positions, new_caches[c], views[group], rows[group])
+                # The next layer's, for the call to fetch its first weights ahead.
+                following = layers[i + 1] if i + 1 < len(layers) else None
+                out = layer.native_call(x, positions, new_caches[c], views[group], rows[group], following)
             if out is None:
                 attention = bind_layer(self.attention_backends[group], layer_inputs, i)
                 out = layer(x, positions, new_caches[c], views[group], attention)

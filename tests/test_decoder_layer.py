@@ -145,6 +145,34 @@ def test_layer_without_avx512_matches_reference(flags, prefix):
         _check(_weights(FORMAT_SETS[2], 64, seed=3), _step(5, 64, jnp.float32, seed=4), 64, activations, prefix=prefix)
 
 
+@needs_native
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_next_weights_only_fetch_ahead(activations):
+    """A stack of three layers, each given the next one's weights to fetch ahead (in another
+    format, as a GGUF's layers may be): the same bits as without them, and the reference's
+    values. The threads take the matmuls' chunks from both ends, so this also checks that every
+    output is written once."""
+    stack = [_weights(FORMAT_SETS[0], 64, seed=7), _weights(FORMAT_SETS[2], 64, seed=8),
+             _weights(FORMAT_SETS[1], 64, seed=9)]
+    step = _step(5, 64, jnp.float32, seed=10)
+
+    def run(fn, ahead, x, cos, sin, k_cache, v_cache, slots, rows):
+        for i, weights in enumerate(stack):
+            extra = {"next_weights": stack[i + 1] if ahead and i + 1 < len(stack) else None}
+            x, k_cache, v_cache = _run(fn, weights, (x, cos, sin, k_cache, v_cache, slots, rows), 64,
+                                       activations=activations, **extra)
+        return x, k_cache, v_cache
+
+    with_next = jax.jit(lambda *a: run(dl.decoder_layer, True, *a))(*step)
+    without = jax.jit(lambda *a: run(dl.decoder_layer, False, *a))(*step)
+    ref = run(dl.decoder_layer_reference, True, *step)
+    real = np.asarray(step[-1][1]) > 0
+    for got, plain in zip(with_next, without):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+    out, want = np.asarray(with_next[0])[real], np.asarray(ref[0])[real]
+    np.testing.assert_allclose(out, want, atol=3 * TOLERANCE[activations] * np.abs(want).max(), rtol=0)
+
+
 def test_bad_arguments_raise_value_errors():
     weights = _weights(FORMAT_SETS[1], 64)
     step = _step(2, 64, jnp.float32)
@@ -158,6 +186,11 @@ def test_bad_arguments_raise_value_errors():
     x, cos, sin, *rest = step
     with pytest.raises(ValueError, match="cos and sin"):
         _run(dl.decoder_layer, weights, (x, cos[:, :8], sin[:, :8], *rest), 64)
+    with pytest.raises(ValueError, match="next_weights.q"):
+        _run(dl.decoder_layer, weights, step, 64, next_weights=weights._replace(q=weights.o))
+    with pytest.raises(ValueError, match="share one format"):
+        mixed = _weights(("q4_1", "q8_0", "q8_0", "q4_1"), 64)._replace(k=weights.k)
+        _run(dl.decoder_layer, weights, step, 64, next_weights=mixed)
 
 
 @needs_native

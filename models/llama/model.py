@@ -179,21 +179,29 @@ class DecoderLayer(PreNormBlock):
             return None
         return weights, activations.pop()
 
-    def native_call(self, x, positions, kv_cache, attn_metadata, rows):
+    def native_call(self, x, positions, kv_cache, attn_metadata, rows, next_layer=None):
         """The layer as one native call where native_weights says it can be one, else None (the
         caller runs it as usual). rows: the step's token rows (paged_jax/attention/xla.py
-        token_rows). Returns (x [T, D], kv_cache) as __call__."""
+        token_rows); next_layer: the layer that runs next, or None: where it can be a native
+        call of the same shapes, this call fetches its first weights ahead (decoder_layer's
+        next_weights). Returns (x [T, D], kv_cache) as __call__."""
         native = self.native_weights(kv_cache)
         if native is None:
             return None
         weights, activations = native
+        following = None if next_layer is None else getattr(next_layer, "native_weights", lambda cache: None)(kv_cache)
+        next_weights = None
+        if following is not None and all(getattr(following[0], name).data.shape == getattr(weights, name).data.shape
+                                         for name in ("q", "k", "v")):
+            next_weights = following[0]
         attn, c = self.self_attn, self.self_attn.config
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(
             rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))  # [T, H/2]
         out, k_cache, v_cache = decoder_layer.decoder_layer(
             x, weights, jnp.cos(angles), jnp.sin(angles), *kv_cache, attn_metadata.slot_mapping, rows,
             eps=self.input_layernorm.eps, sm_scale=attn.sm_scale, num_heads=c.num_heads,
-            intermediate_size=c.intermediate_size, sliding_window=attn.sliding_window, activations=activations)
+            intermediate_size=c.intermediate_size, sliding_window=attn.sliding_window, activations=activations,
+            next_weights=next_weights)
         return out.astype(x.dtype), (k_cache, v_cache)
 
 
