@@ -282,9 +282,10 @@ struct IdlePrefetch {
   int64_t bytes = 0;
 };
 
-// At most this much of a phase's weights is asked for ahead by each waiting thread.
+// At most this much of a phase's weights is asked for ahead by each waiting thread (its share of
+// the phase, at most: prefetch_next).
 #ifndef PJ_IDLE_PREFETCH_BYTES
-#define PJ_IDLE_PREFETCH_BYTES (128 * 1024)
+#define PJ_IDLE_PREFETCH_BYTES (512 * 1024)
 #endif
 constexpr int64_t kIdlePrefetchBytes = PJ_IDLE_PREFETCH_BYTES, kIdlePrefetchStep = 4096;
 
@@ -438,6 +439,10 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
     return ffi::Error::InvalidArgument("the next layer's q / k / v bytes do not fit its format and this layer's sizes");
   if (d % kBlock || (hq * dim) % kBlock || f % kBlock)
     return ffi::Error::InvalidArgument("the layer's matmul inputs must be multiples of 32");
+  // The helpers start once the matmuls are set up (all a thread reads before a phase opens), so
+  // they fetch their q/k/v while this thread sets the attention up and normalizes x; what they
+  // read after a phase opens is ordered after these writes by `phase`'s release / acquire.
+  team.post([L] { work(*L, true); }, team.num_helpers(), paged_jax::ThreadTeam::kLinger);
   Job<KV>& job = L->attend;
   job.q = L->q;
   job.k = L->k_cache;
@@ -465,7 +470,6 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
     L->splits = std::clamp<int64_t>(longest / kSplitKeys, 1, kMaxSplits);
     L->num_tasks *= L->splits;
   }
-  team.post([L] { work(*L, true); }, team.num_helpers(), paged_jax::ThreadTeam::kLinger);
   for (int64_t i = 0; i < t; ++i) rms_norm(L->x + i * d, L->w_in, eps, d, &L->n[i * d]);
   if (L->qkv.prepare) L->qkv.prepare(L->qkv.work);
   open(*L, kQKV);
