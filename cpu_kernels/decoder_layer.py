@@ -10,8 +10,10 @@ paged_attention.h, so its numbers are those kernels' numbers.
 
 Every token attends as a decode row of its own (`rows`: paged_jax/attention/xla.py's
 token_rows), which is exact for any batch but reads a sequence's context once per token: the
-runner uses the kernel for buckets of at most MAX_TOKENS tokens, where the XLA path attends
-by token rows too (its SHORT_QUERY_ROWS), and the layer's XLA path for larger ones.
+runner uses the kernel for steps of at most MAX_TOKENS tokens (its bucket) whose queries are
+at most SHORT_QUERY_ROWS tokens each (decodes, verification steps, short chunks; the XLA path
+attends those by token rows too), and the layer's XLA path for the others
+(paged_jax/runner.py ModelRunner.native_step).
 
 Weights are packed (q8_0 / q4_1 tiles or bf16 rows: cpu_kernels/quant_matmul.py), q/k/v in
 one format and gate/up in one; activations "float32" (exact) or "int8" for the tiled ones
@@ -35,7 +37,7 @@ from cpu_kernels.quant_matmul import ACTIVATIONS, TILED, WEIGHT_FORMATS, quant_m
 __all__ = ["MAX_TOKENS", "LayerWeights", "Weight", "decoder_layer", "decoder_layer_reference", "native_available",
            "usable"]
 
-MAX_TOKENS = 8  # tokens a bucket may have for the runner to use the kernel (module docstring)
+MAX_TOKENS = 64  # tokens a step's bucket may have for the runner to use the kernel (module docstring)
 _PREFIX = "pj_decoder_layer"
 _CACHE_SUFFIXES = {"float32": "f32", "bfloat16": "bf16"}
 _FORMAT_IDS = {"q8_0": 0, "q4_1": 1, "bf16": 2}  # quant_matmul.h's Format

@@ -14,8 +14,10 @@ every layer unrolled is what makes start-up fast; each call costs a little on th
 in the runtime, so groups are as large as divide the layer count up to 6
 (docs/BENCHMARKS.md, section 10, measures both). The exception is a small bucket on the CPU
 whose layers are each one native call (cpu_kernels/decoder_layer.py): such a program compiles
-in no time whatever its length, so those buckets run every layer in one (LayerGroups,
-ModelRunner.layer_groups). A lax.scan over stacked weights compiled
+in no time whatever its length, so those steps run every layer in one (LayerGroups,
+ModelRunner.layer_groups); a bucket of up to decoder_layer.MAX_TOKENS tokens runs them for
+steps whose queries are all short (decodes, verification steps, short chunks:
+ModelRunner.native_step) and has the XLA layers too, for a step with a longer chunk. A lax.scan over stacked weights compiled
 as fast but copied each layer's weights out of the stack on XLA:CPU, and would put every
 cache in one buffer that the loop reads while updating (openxla/xla#45912).
 
@@ -49,7 +51,7 @@ from jax.experimental import multihost_utils
 from cpu_kernels import decoder_layer
 from paged_jax.attention import bind_layer, make_attention_backend
 from paged_jax.attention.backend import XlaAttention
-from paged_jax.attention.xla import token_rows
+from paged_jax.attention.xla import SHORT_QUERY_ROWS, token_rows
 from paged_jax.compile_manager import CompileManager
 from paged_jax.core.batch import pad_step_inputs
 from paged_jax.core.step_inputs import (LogitsProcessingMetadata, ModelInputs, SamplingMetadata, SpecDecodeMetadata,
@@ -242,11 +244,20 @@ class ModelRunner:
         (KVPool.layer_tensor): what every step donates and gets back."""
         return self.pool.kv_caches
 
-    def layer_groups(self, num_tokens: int) -> LayerGroups:
-        """How a step of num_tokens (its token bucket) runs the layers: every layer in one
-        program where each is one native call (buckets of <= decoder_layer.MAX_TOKENS on the
-        CPU), else runs of layers_per_program."""
-        if self._native_groups is not None and num_tokens <= decoder_layer.MAX_TOKENS:
+    def native_step(self, num_tokens: int, max_query_len: int = 1) -> bool:
+        """Whether a step in the token bucket num_tokens whose longest query (a sequence's
+        scheduled tokens) is max_query_len runs its layers as native calls where they can be
+        (cpu_kernels/decoder_layer.py): on one CPU device, in buckets of at most
+        decoder_layer.MAX_TOKENS, when every query is at most SHORT_QUERY_ROWS tokens
+        (decodes, verification steps, short chunks), since the kernel attends every token as a
+        decode row and a longer chunk would read its context once per token."""
+        return (self._native_layers and num_tokens <= decoder_layer.MAX_TOKENS
+                and max_query_len <= SHORT_QUERY_ROWS)
+
+    def layer_groups(self, num_tokens: int, max_query_len: int = 1) -> LayerGroups:
+        """How such a step runs the layers: every layer in one program where each is one
+        native call (native_step), else runs of layers_per_program."""
+        if self._native_groups is not None and self.native_step(num_tokens, max_query_len):
             return self._native_groups
         return self._groups
 
@@ -311,20 +322,21 @@ class ModelRunner:
         return self._model(head_params).embed(token_ids)
 
     def _layer_fn(self, layer_params, x, kv_caches, positions, attn_metadata: StepAttentionMetadata, kind,
-                  layer_inputs=None):
+                  layer_inputs=None, native: bool = False):
         """A run of consecutive layers (LayerGroups): their params are a list, kv_caches the
         caches they keep their pages in (one per layer, or fewer when groups share them); kind
         (static) is their (graphs, KV-cache groups, cache of each, weight types); each layer
         reads its group's view of attn_metadata, calls its group's backend and writes its cache
         (a shared cache passes from layer to layer, updated in place); layer_inputs, a dict of
         arrays with a leading layer axis (the pool's layer inputs sliced), what the attention
-        backend binds per layer."""
+        backend binds per layer; native (static): the program of a native_step, whose layers
+        that can be one native call are."""
         new_caches = list(kv_caches)
         graphdefs, kv_groups, cache_ids, _ = kind
         views = {g: attn_metadata.for_group(g) for g in set(kv_groups)}
-        # A small bucket on the CPU: a layer that can be one native call is one (decoder_layer.py).
+        # A native_step: a layer that can be one native call is one (decoder_layer.py).
         rows = None
-        if self._native_layers and x.shape[0] <= decoder_layer.MAX_TOKENS:
+        if native:
             rows = {g: token_rows(view.block_tables, ragged_batch(view.seq_lens, view.query_start_loc,
                                                                   jnp.reshape(view.num_seqs, ())), x.shape[0])
                     for g, view in views.items()}
@@ -378,7 +390,11 @@ class ModelRunner:
         """Lowers and compiles the three programs of one bucket (from shapes only, so the
         warm-up thread never touches the live, donated caches). Each takes the step's packed
         inputs and unpacks what it reads. On a mesh every argument carries its sharding
-        (weights and caches their own, the packed inputs replicated) and the outputs are pinned."""
+        (weights and caches their own, the packed inputs replicated) and the outputs are pinned.
+        Returns (embed, layers, head, spec_head, head_processed, spec_head_processed,
+        long_layers): layers one program per kind of run (layer_groups), the head variants None
+        where unused, long_layers the XLA layers of a bucket whose short-query steps run native
+        ones but whose other steps do not (native_step), else None."""
         abstract = lambda tree: jax.tree.map(  # noqa: E731
             lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self._sharding(a)), tree)
         like = abstract(self.dummy_inputs(num_tokens, num_seqs))
@@ -391,14 +407,11 @@ class ModelRunner:
         def embed_fn(head_leaves, packed):
             return self._embed_fn(head_params_of(head_leaves), unpack_step_inputs(packed, like).model.token_ids)
 
-        groups = self.layer_groups(num_tokens)
-
-        def layer_fn(layer_leaves, x, kv_caches, packed, layer_inputs, index):
+        def layer_fn(layer_leaves, x, kv_caches, packed, layer_inputs, groups, index, native):
             inputs = unpack_step_inputs(packed, like)
             layer_params = jax.tree.unflatten(groups.treedefs[index], layer_leaves)
             return self._layer_fn(layer_params, x, kv_caches, inputs.model.positions, inputs.attention,
-                                  groups.kinds[index],
-                                  layer_inputs)
+                                  groups.kinds[index], layer_inputs, native)
 
         def head_fn(head_leaves, x, packed):
             return self._head_fn(head_params_of(head_leaves), x, unpack_step_inputs(packed, like))
@@ -407,19 +420,29 @@ class ModelRunner:
         embed = self._jit(embed_fn, rep).lower(head_params, packed).compile()
         x = jax.eval_shape(embed_fn, head_params, packed)
         x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
-        layer_inputs = abstract(groups.layer_inputs[0])
-        layers = []  # one program per kind of run
-        for index in range(len(groups.kinds)):
-            run = groups.kind_of.index(index)
-            tensors = groups.tensors[run]
-            caches_out = None if self.mesh is None else [cache_shardings(self.pool.tensor_specs[t], self.mesh)
-                                                         for t in tensors]
-            program = self._jit(functools.partial(layer_fn, index=index), (rep, caches_out),
-                                donate_argnums=(2,))
-            # Shapes only: the warm-up thread must not read the live caches the steps donate.
-            layers.append(program.lower(abstract(groups.leaves[run]), x,
-                                        [self.pool.abstract_caches[t] for t in tensors], packed,
-                                        layer_inputs).compile())
+        def compile_layers(max_query_len: int) -> tuple:  # one program per kind of run
+            groups = self.layer_groups(num_tokens, max_query_len)
+            native = self.native_step(num_tokens, max_query_len)
+            layer_inputs = abstract(groups.layer_inputs[0])
+            layers = []
+            for index in range(len(groups.kinds)):
+                run = groups.kind_of.index(index)
+                tensors = groups.tensors[run]
+                caches_out = None if self.mesh is None else [cache_shardings(self.pool.tensor_specs[t], self.mesh)
+                                                             for t in tensors]
+                program = self._jit(functools.partial(layer_fn, groups=groups, index=index, native=native),
+                                    (rep, caches_out), donate_argnums=(2,))
+                # Shapes only: the warm-up thread must not read the live caches the steps donate.
+                layers.append(program.lower(abstract(groups.leaves[run]), x,
+                                            [self.pool.abstract_caches[t] for t in tensors], packed,
+                                            layer_inputs).compile())
+            return tuple(layers)
+
+        layers = compile_layers(1)
+        # A bucket whose decodes run native layers but which can hold a longer chunk gets the XLA
+        # layers for steps with one (execute chooses by the step's longest query).
+        long_layers = (compile_layers(num_tokens) if self.native_step(num_tokens) and num_tokens > SHORT_QUERY_ROWS
+                       else None)
         head = self._jit(head_fn, (rep, rep)).lower(head_params, x, packed).compile()
         spec_head = None
         if self.num_spec_tokens:
@@ -456,7 +479,7 @@ class ModelRunner:
 
                 spec_head_processed = self._jit(spec_head_processed_fn, (rep, rep, rep)).lower(
                     head_params, x, packed, spec_packed, packed_like(spec_proc_like)).compile()
-        return embed, tuple(layers), head, spec_head, head_processed, spec_head_processed
+        return embed, layers, head, spec_head, head_processed, spec_head_processed, long_layers
 
     def _programs_for(self, shape: tuple[int, int]) -> tuple:
         return self.compiler.programs_for(shape)
@@ -495,7 +518,13 @@ class ModelRunner:
             if processing is not None:  # padded sequences change nothing
                 processing = pad_processing(processing, self.dummy_processing(
                     run_shape[1] - shape[1], 1 if spec is None else self.num_spec_tokens + 1))
-        embed, layers, head, spec_head, head_processed, spec_head_processed = self._programs_for(run_shape)
+        embed, layers, head, spec_head, head_processed, spec_head_processed, long_layers = self._programs_for(run_shape)
+        max_query_len = 1
+        if long_layers is not None:  # the bucket's layers for the step's longest query (native_step)
+            qsl = inputs.attention.query_start_loc
+            max_query_len = int(np.max(qsl[1:] - qsl[:-1]))
+            if not self.native_step(run_shape[0], max_query_len):
+                layers = long_layers
         packed = pack_step_inputs(inputs)
         if self.mesh is not None and jax.process_count() > 1:
             # Every process must run this very step (paged_jax/multiprocess.py): a diverged
@@ -504,7 +533,7 @@ class ModelRunner:
         packed = self._put(packed)
         x = embed(self._head_leaves, packed)
         kv_caches = self.pool.kv_caches
-        groups = self.layer_groups(run_shape[0])
+        groups = self.layer_groups(run_shape[0], max_query_len)
         for run, tensors in enumerate(groups.tensors):
             layer = layers[groups.kind_of[run]]  # the program of this run's kind of layers
             x, caches = layer(groups.leaves[run], x, [kv_caches[t] for t in tensors], packed,

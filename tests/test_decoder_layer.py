@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from cpu_kernels import decoder_layer as dl
 from cpu_kernels import quant_matmul as qm
+from paged_jax.attention.xla import SHORT_QUERY_ROWS
 
 needs_native = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "g++")) is None or jax.default_backend() != "cpu"
@@ -198,9 +199,10 @@ def test_bad_arguments_raise_value_errors():
 def test_engine_runs_small_buckets_as_one_call_per_layer_in_place(kv_cache_dtype, monkeypatch):
     """LLM(weight_dtype="int8") on the CPU: the decode bucket's layer program is one native call
     per layer whose caches are the program's (donated, aliased: no cache-sized temporary); a
-    bucket past MAX_TOKENS keeps the XLA layers. Greedy tokens of several sequences decoding at
-    once equal a dense loop over the same model (and a run with the XLA layers); with a bf16
-    pool, a dense loop that rounds q, k, v and the attention output to bf16 as the pool does."""
+    bucket past SHORT_QUERY_ROWS tokens has XLA layers too, which run the steps with a longer
+    chunk (the 20-token prompt's prefill) and no others. Greedy tokens of several sequences
+    decoding at once equal a dense loop over the same model; with a bf16 pool, a dense loop that
+    rounds q, k, v and the attention output to bf16 as the pool does."""
     from models.llama import Attention
     from paged_jax import LLM, SamplingParams
 
@@ -210,7 +212,26 @@ def test_engine_runs_small_buckets_as_one_call_per_layer_in_place(kv_cache_dtype
     assert runner._native_layers
     prompts = [[5, 9, 2, 7, 7, 1], [3, 4], [8] * 20]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    longest = []  # each step's longest query
+    ran_long = set()  # the steps that called an XLA layer program of a bucket with native ones
+    execute, programs_for = runner.execute, runner._programs_for
+
+    def noting_execute(inputs, *args, **kwargs):
+        qsl = inputs.attention.query_start_loc
+        longest.append(int(np.max(qsl[1:] - qsl[:-1])))
+        return execute(inputs, *args, **kwargs)
+
+    def spying_programs_for(shape):
+        *programs, long_layers = programs_for(shape)
+        if long_layers is not None:
+            step = len(longest) - 1
+            long_layers = tuple((lambda p: lambda *a: ran_long.add(step) or p(*a))(p) for p in long_layers)
+        return (*programs, long_layers)
+
+    monkeypatch.setattr(runner, "execute", noting_execute)
+    monkeypatch.setattr(runner, "_programs_for", spying_programs_for)
     outs = llm.generate(prompts, params, use_tqdm=False)
+    assert ran_long == {i for i, n in enumerate(longest) if n > SHORT_QUERY_ROWS} != set(), (ran_long, longest)
     num_layers = len(runner.layer_params)
     assert runner.layers_per_program < num_layers, "the test needs runs of layers in the large buckets"
     layers = runner._programs_for((1, 1))[1]
@@ -220,10 +241,14 @@ def test_engine_runs_small_buckets_as_one_call_per_layer_in_place(kv_cache_dtype
     memory = runner.compiled_memory(1, 1)["layer"]
     cache_bytes = sum(a.nbytes for cache in runner.kv_caches for a in cache)
     assert memory.alias_size_in_bytes >= cache_bytes and memory.temp_size_in_bytes < cache_bytes / num_layers
-    big = max(shape for shape in runner.bucket_shapes() if shape[0] > dl.MAX_TOKENS)
-    runner.compiler.programs_for(big)
-    assert runner.layer_groups(big[0]).size == runner.layers_per_program
-    assert "pj_decoder_layer" not in runner._programs_for(big)[1][0].as_text()
+    big = max(shape for shape in runner.bucket_shapes() if shape[0] > SHORT_QUERY_ROWS)
+    assert big[0] <= dl.MAX_TOKENS, "the test needs a bucket with both layer sets"
+    *_, long_layers = programs_for(big)  # the programs themselves, not the spies
+    assert runner.layer_groups(big[0]).size == num_layers
+    assert runner._programs_for(big)[1][0].as_text().count("pj_decoder_layer") == num_layers
+    assert runner.layer_groups(big[0], SHORT_QUERY_ROWS + 1).size == runner.layers_per_program
+    assert "pj_decoder_layer" not in long_layers[0].as_text()
+    assert runner._programs_for((1, 1))[-1] is None, "a bucket of short queries only has no XLA layers"
     model = llm.engine.model
     if kv_cache_dtype == "bfloat16":
         assert runner.kv_caches[0][0].dtype == jnp.bfloat16
