@@ -17,9 +17,10 @@ whose layers are each one native call (cpu_kernels/decoder_layer.py): such a pro
 in no time whatever its length, so those steps run every layer in one (LayerGroups,
 ModelRunner.layer_groups); a bucket of up to decoder_layer.MAX_TOKENS tokens runs them for
 steps whose queries are all short (decodes, verification steps, short chunks:
-ModelRunner.native_step) and has the XLA layers too, for a step with a longer chunk. A lax.scan over stacked weights compiled
-as fast but copied each layer's weights out of the stack on XLA:CPU, and would put every
-cache in one buffer that the loop reads while updating (openxla/xla#45912).
+ModelRunner.native_step) and has the XLA layers too, for a step with a longer chunk. A
+lax.scan over stacked weights compiled as fast but copied each layer's weights out of the
+stack on XLA:CPU, and would put every cache in one buffer that the loop reads while updating
+(openxla/xla#45912).
 
 Each layer call takes its layers' caches as donated arguments and returns them, so XLA
 updates the caches in place (no second cache-sized buffer; tests check the compiled
@@ -420,6 +421,7 @@ class ModelRunner:
         embed = self._jit(embed_fn, rep).lower(head_params, packed).compile()
         x = jax.eval_shape(embed_fn, head_params, packed)
         x = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep)
+
         def compile_layers(max_query_len: int) -> tuple:  # one program per kind of run
             groups = self.layer_groups(num_tokens, max_query_len)
             native = self.native_step(num_tokens, max_query_len)
