@@ -86,18 +86,32 @@ def usable(weights: LayerWeights, k_cache, activations: str) -> bool:
             and activations in ACTIVATIONS and native_available())
 
 
-def _check(x, weights: LayerWeights, cos, k_cache, num_heads: int, intermediate_size: int,
-           next_weights: LayerWeights | None = None):
+def _shapes(hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+            intermediate_size: int) -> dict[str, tuple[int, int]]:
+    """Each weight's [out, in] shape (as a Linear's, before packing)."""
+    d = hidden_size
+    return {"q": (num_heads * head_dim, d), "k": (num_kv_heads * head_dim, d), "v": (num_kv_heads * head_dim, d),
+            "o": (d, num_heads * head_dim), "gate": (intermediate_size, d), "up": (intermediate_size, d),
+            "down": (d, intermediate_size)}
+
+
+def can_fetch_ahead(next_weights: LayerWeights, hidden_size: int, num_heads: int, num_kv_heads: int,
+                    head_dim: int) -> bool:
+    """Whether a layer call of these sizes can fetch next_weights' q / k / v ahead (decoder_layer's
+    next_weights): they share one format the kernel reads (not necessarily the layer's own), and
+    they are [out, in] weights of the layer's shapes in it."""
+    fmt = next_weights.q.format
+    shapes = _shapes(hidden_size, num_heads, num_kv_heads, head_dim, 0)
+    return (fmt == next_weights.k.format == next_weights.v.format and fmt in _FORMAT_IDS
+            and all(tuple(getattr(next_weights, name).data.shape) == stored_shape(fmt, *shapes[name])
+                    for name in ("q", "k", "v")))
+
+
+def _check(x, weights: LayerWeights, cos, k_cache, num_heads: int, intermediate_size: int):
     t, d = x.shape
     _, _, num_kv_heads, head_dim = k_cache.shape
-    expected = {"q": (num_heads * head_dim, d), "k": (num_kv_heads * head_dim, d), "v": (num_kv_heads * head_dim, d),
-                "o": (d, num_heads * head_dim), "gate": (intermediate_size, d), "up": (intermediate_size, d),
-                "down": (d, intermediate_size)}
+    expected = _shapes(d, num_heads, num_kv_heads, head_dim, intermediate_size)
     checks = [(f"weights.{name}", getattr(weights, name), shape) for name, shape in expected.items()]
-    if next_weights is not None:
-        checks += [(f"next_weights.{name}", getattr(next_weights, name), expected[name]) for name in ("q", "k", "v")]
-        if not next_weights.q.format == next_weights.k.format == next_weights.v.format:
-            raise ValueError("next_weights.q, .k and .v must share one format, as the layer's own do")
     for name, w, (n, k) in checks:
         if w.format not in WEIGHT_FORMATS or tuple(w.data.shape) != stored_shape(w.format, n, k):
             raise ValueError(f"{name}: {w.format} data of shape {tuple(w.data.shape)} is not a [{n}, {k}] "
@@ -125,21 +139,21 @@ def decoder_layer(x, weights: LayerWeights, cos, sin, k_cache, v_cache, slot_map
       eps: the RMSNorms' epsilon; sm_scale: the softmax scale; num_heads: query heads;
         intermediate_size: the MLP's F; sliding_window: None, or the keys a query sees.
       activations: "float32" (exact) or "int8" (the tiled weights' x quantized per block).
-      next_weights: the next layer's weights (of this layer's shapes), or None. The call's
+      next_weights: the next layer's weights (can_fetch_ahead says which), or None. The call's
         helpers ask for their q / k / v from memory as they leave: between two calls nobody
         else reads memory, so the next call finds the start of its work in the cache.
       prefix: the registered build's name (build_and_register).
     Returns:
       (f32[T, D] the layer's output, k_cache, v_cache with this step's keys and values).
     """
-    _check(x, weights, cos, k_cache, num_heads, intermediate_size, next_weights)
+    _check(x, weights, cos, k_cache, num_heads, intermediate_size)
+    if next_weights is not None and not can_fetch_ahead(next_weights, x.shape[1], num_heads, *k_cache.shape[2:]):
+        raise ValueError("next_weights: its q / k / v must be weights of this layer's shapes that share one "
+                         f"format the kernel reads ({sorted(_FORMAT_IDS)}); check can_fetch_ahead, or pass None")
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations={activations!r} is not one of {ACTIVATIONS}")
     if sliding_window is not None and not 0 < sliding_window < 2**31:
         raise ValueError(f"{sliding_window=} must be None or a positive int32 (the keys each query sees)")
-    if next_weights is not None and next_weights.q.format not in _FORMAT_IDS:
-        raise ValueError(f"next_weights.q: format {next_weights.q.format!r} is not one the kernel reads "
-                         f"({sorted(_FORMAT_IDS)}): pass next_weights=None")
     if prefix == _PREFIX and not native_available():
         raise ValueError("the native decoder layer is not built here (no C++ compiler, not x86-64, or "
                          "PAGED_JAX_NATIVE_KERNELS=0): check usable() and run the layer's XLA path")

@@ -156,6 +156,7 @@ def test_next_weights_only_fetch_ahead(activations):
     stack = [_weights(FORMAT_SETS[0], 64, seed=7), _weights(FORMAT_SETS[2], 64, seed=8),
              _weights(FORMAT_SETS[1], 64, seed=9)]
     step = _step(5, 64, jnp.float32, seed=10)
+    assert all(dl.can_fetch_ahead(weights, D, HQ, HKV, 64) for weights in stack)
 
     def run(fn, ahead, x, cos, sin, k_cache, v_cache, slots, rows):
         for i, weights in enumerate(stack):
@@ -187,7 +188,8 @@ def test_bad_arguments_raise_value_errors():
     x, cos, sin, *rest = step
     with pytest.raises(ValueError, match="cos and sin"):
         _run(dl.decoder_layer, weights, (x, cos[:, :8], sin[:, :8], *rest), 64)
-    with pytest.raises(ValueError, match="next_weights.q"):
+    assert not dl.can_fetch_ahead(weights._replace(q=weights.o), D, HQ, HKV, 64)
+    with pytest.raises(ValueError, match="next_weights: its q / k / v"):
         _run(dl.decoder_layer, weights, step, 64, next_weights=weights._replace(q=weights.o))
     with pytest.raises(ValueError, match="share one format"):
         mixed = _weights(("q4_1", "q8_0", "q8_0", "q4_1"), 64)._replace(k=weights.k)

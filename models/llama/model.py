@@ -190,11 +190,11 @@ class DecoderLayer(PreNormBlock):
             return None
         weights, activations = native
         following = None if next_layer is None else getattr(next_layer, "native_weights", lambda cache: None)(kv_cache)
-        next_weights = None
-        if following is not None and all(getattr(following[0], name).data.shape == getattr(weights, name).data.shape
-                                         for name in ("q", "k", "v")):
-            next_weights = following[0]
         attn, c = self.self_attn, self.self_attn.config
+        next_weights = None
+        if following is not None and decoder_layer.can_fetch_ahead(following[0], c.hidden_size, c.num_heads,
+                                                                    c.num_kv_heads, c.head_dim):
+            next_weights = following[0]
         angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(
             rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))  # [T, H/2]
         out, k_cache, v_cache = decoder_layer.decoder_layer(
