@@ -113,9 +113,10 @@ def _check(x, weights: LayerWeights, cos, k_cache, num_heads: int, intermediate_
     expected = _shapes(d, num_heads, num_kv_heads, head_dim, intermediate_size)
     checks = [(f"weights.{name}", getattr(weights, name), shape) for name, shape in expected.items()]
     for name, w, (n, k) in checks:
-        if w.format not in WEIGHT_FORMATS or tuple(w.data.shape) != stored_shape(w.format, n, k):
+        stored = stored_shape(w.format, n, k) if w.format in WEIGHT_FORMATS else None
+        if tuple(w.data.shape) != stored:
             raise ValueError(f"{name}: {w.format} data of shape {tuple(w.data.shape)} is not a [{n}, {k}] "
-                             f"weight (stored as {stored_shape(w.format, n, k) if w.format in WEIGHT_FORMATS else '?'})")
+                             f"weight (stored as {stored or '?'})")
     if cos.shape != (t, head_dim // 2):
         raise ValueError(f"cos and sin must be [T, head_dim / 2] = {(t, head_dim // 2)}; got {cos.shape}")
     if num_heads % num_kv_heads:

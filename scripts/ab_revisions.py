@@ -1,16 +1,25 @@
 """The engine's throughput (or host overhead) at several git revisions, side by side: which
 commit made it slower.
 
-    python scripts/ab_revisions.py [--rounds 4] REV [REV ...] [--layers-per-program N]
+    python scripts/ab_revisions.py [--rounds 4] [--workload W] REV [REV ...] [--layers-per-program N]
     python scripts/ab_revisions.py --host [--rounds 4] REV [REV ...]
 
 Each revision (a commit, or `.` for the working tree) is checked out into a temporary git
-worktree and runs in a warm process of its own: `LLM.generate` on bench_throughput's mixed
-workload (64 prompts of 64-512 random tokens, 128 new tokens each, greedy, ignore_eos) over
-the benchmark model (_bench_common.BENCH_MODEL, float32), with bench_throughput's engine
-arguments. The processes take turns, the order reversed every round, so drift on a shared
-machine hits every revision alike; medians are printed. `--layers-per-program` adds the
-working tree once more with that many layers per compiled program.
+worktree and runs in a warm process of its own. The processes take turns, the order reversed
+every round, so drift on a shared machine hits every revision alike; medians are printed, and
+each revision's median ratio to the first one's, round by round. The workloads (--workload):
+
+- mixed (default): `LLM.generate` on bench_throughput's mixed workload (64 prompts of 64-512
+  random tokens, 128 new tokens each, greedy, ignore_eos) over the benchmark model
+  (_bench_common.BENCH_MODEL, float32), with bench_throughput's engine arguments.
+- stream: SmolLM2-135M-Instruct's GGUF with int8 activations (models/named_models.py, fetched
+  once), one request at a time as bench_peers runs it: decode tok/s after the first token from
+  a 1-token prompt (128 tokens) and from a 300-token prompt (256 tokens).
+- batch: the same model, 32 prompts of 64 random tokens decoding together, 128 tokens each:
+  output tok/s of the whole `LLM.generate`.
+
+The GGUF workloads also say whether every revision's greedy tokens were the same.
+`--layers-per-program` adds the working tree once more with that many layers per compiled program.
 
 `--host` compares the host side instead: each round runs every revision's own
 scripts/bench_block_manager.py (decode allocate_slots, the whole trace) and
@@ -30,8 +39,9 @@ import tempfile
 
 from _bench_common import REPO, make_checkpoint, print_table
 
-# Runs inside each revision's worktree: warm up, then one timed generate per line of stdin.
-WORKER = """
+# Each worker runs inside a revision's worktree: warm up, print "ready", then one timed round
+# per line of stdin, printed as a JSON object {figure: value} ("tokens": a digest of the outputs).
+MIXED_WORKER = """
 import json, os, sys, time
 import numpy as np
 repo, model_dir, layers_per_program = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
@@ -51,7 +61,51 @@ for _ in sys.stdin:
     reset_prefix_cache()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
-    print(64 * 128 / (time.perf_counter() - start), flush=True)
+    print(json.dumps({"mixed workload, tok/s": 64 * 128 / (time.perf_counter() - start)}), flush=True)
+"""
+
+GGUF_WORKER = """
+import hashlib, json, sys, time
+import numpy as np
+repo, workload, layers_per_program = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+sys.path.insert(0, repo)
+from paged_jax import LLM, SamplingParams
+extra = {} if layers_per_program is None else {"layers_per_program": layers_per_program}
+llm = LLM("smollm2-135m-instruct", weight_dtype="auto", activation_dtype="int8", max_model_len=1024,
+          max_num_seqs=32 if workload == "batch" else 1, max_num_batched_tokens=512, warm_up="full", **extra)
+engine = llm.engine
+greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+def stream(num_prompt, max_tokens):
+    # one request: (decode tok/s after its first token, its tokens)
+    engine.add_request(f"r{time.monotonic_ns()}", list(range(100, 100 + num_prompt)), greedy(max_tokens))
+    first, tokens = None, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if first is None and out.token_ids:
+                first = time.perf_counter()
+            if out.finished:
+                tokens = list(out.token_ids)
+    return (len(tokens) - 1) / (time.perf_counter() - first), tokens
+
+rng = np.random.default_rng(0)
+prompts = [rng.integers(100, 10000, 64).tolist() for _ in range(32)]
+reset_prefix_cache = getattr(llm, "reset_prefix_cache", None) or llm.engine.kv_cache_manager.reset_prefix_cache
+stream(1, 8), stream(300, 8)
+print("ready", flush=True)
+for _ in sys.stdin:
+    if workload == "batch":
+        reset_prefix_cache()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, greedy(128), use_tqdm=False)
+        figures = {"32 sequences x 128 tokens, output tok/s": 32 * 128 / (time.perf_counter() - start)}
+        tokens = [o.outputs[0].token_ids for o in outs]
+    else:
+        (short, short_tokens), (long, long_tokens) = stream(1, 128), stream(300, 256)
+        figures = {"1-token prompt, 128 tokens, tok/s": short, "300-token prompt, 256 tokens, tok/s": long}
+        tokens = [short_tokens, long_tokens]
+    figures["tokens"] = hashlib.sha1(json.dumps([list(map(int, t)) for t in tokens]).encode()).hexdigest()
+    print(json.dumps(figures), flush=True)
 """
 
 
@@ -90,10 +144,39 @@ def host_ab(trees, rounds: int, tmp: str) -> int:
     return 0
 
 
+def engine_ab(trees, workload: str, model_dir: str, rounds: int) -> dict[str, list[dict]]:
+    """Each revision's warm worker, taking turns for `rounds` rounds: {name: [figures of a round]}."""
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    workers = {}
+    try:
+        for name, path, lpp in trees:  # one warm-up at a time: they would share the cores
+            code, arg = (MIXED_WORKER, model_dir) if workload == "mixed" else (GGUF_WORKER, workload)
+            workers[name] = subprocess.Popen([sys.executable, "-c", code, path, arg, json.dumps(lpp)],
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+            if workers[name].stdout.readline().strip() != "ready":
+                raise RuntimeError(f"{name}: the worker did not start (its stderr says why)")
+        runs = {name: [] for name in workers}
+        for r in range(rounds):
+            for name, worker in (list(workers.items()) if r % 2 == 0 else list(workers.items())[::-1]):
+                worker.stdin.write("go\n")
+                worker.stdin.flush()
+                runs[name].append(json.loads(worker.stdout.readline()))
+            print(f"round {r + 1}: " + "; ".join(f"{n} " + " ".join(f"{v:.1f}" for k, v in rs[-1].items()
+                                                                   if k != "tokens") for n, rs in runs.items()),
+                  flush=True)
+        return runs
+    finally:
+        for worker in workers.values():
+            worker.stdin.close()
+            worker.wait(60)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revisions", nargs="+", help="commits to compare; '.' is the working tree")
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--workload", choices=("mixed", "stream", "batch"), default="mixed",
+                        help="what each revision runs (the module docstring says what each is)")
     parser.add_argument("--layers-per-program", type=int, default=None)
     parser.add_argument("--host", action="store_true", help="compare the host-side benchmarks instead")
     args = parser.parse_args()
@@ -115,7 +198,8 @@ def main() -> int:
                         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", path], check=False)
     with tempfile.TemporaryDirectory(prefix="paged_jax_ab_") as tmp:
         model_dir = os.path.join(tmp, "model")
-        make_checkpoint(model_dir, seed=0)
+        if args.workload == "mixed":
+            make_checkpoint(model_dir, seed=0)
         trees = []  # (name, repo dir, layers_per_program)
         for rev in args.revisions:
             if rev == ".":
@@ -127,32 +211,28 @@ def main() -> int:
         if args.layers_per_program is not None:
             trees.append((f"working tree, layers_per_program={args.layers_per_program}", str(REPO),
                           args.layers_per_program))
-        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-        workers = {}
         try:
-            for name, path, lpp in trees:  # one warm-up at a time: they would share the cores
-                workers[name] = subprocess.Popen([sys.executable, "-c", WORKER, path, model_dir, json.dumps(lpp)],
-                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-                assert workers[name].stdout.readline().strip() == "ready", f"{name} did not start"
-            runs = {name: [] for name in workers}
-            for r in range(args.rounds):
-                for name, worker in (list(workers.items()) if r % 2 == 0 else list(workers.items())[::-1]):
-                    worker.stdin.write("go\n")
-                    worker.stdin.flush()
-                    runs[name].append(float(worker.stdout.readline()))
-                print(f"round {r + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in runs.items()), flush=True)
+            runs = engine_ab(trees, args.workload, model_dir, args.rounds)
         finally:
-            for worker in workers.values():
-                worker.stdin.close()
-                worker.wait(60)
             for name, path, _ in trees:
                 if path != str(REPO):
                     subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", path], check=False)
-    print_table(f"mixed workload, LLM.generate tok/s, {args.rounds} alternating rounds",
-                ["revision", "median", "runs"],
-                [[n, f"{statistics.median(v):.1f}", " ".join(f"{x:.0f}" for x in v)] for n, v in runs.items()])
+    names = [name for name, _, _ in trees]
+    figures = [f for f in runs[names[0]][0] if f != "tokens"]
+    rows = []
+    for figure in figures:
+        base = [r[figure] for r in runs[names[0]]]
+        for name in names:
+            values = [r[figure] for r in runs[name]]
+            ratio = statistics.median(v / b for v, b in zip(values, base))
+            rows.append([figure, name, f"{statistics.median(values):.1f}", f"{ratio:.3f}",
+                         " ".join(f"{v:.0f}" for v in values)])
+    print_table(f"{args.workload}, {args.rounds} alternating rounds", ["figure", "revision", "median",
+                                                                       "ratio to the first", "runs"], rows)
+    if "tokens" in runs[names[0]][0]:
+        same = len({r["tokens"] for name in names for r in runs[name]}) == 1
+        print("greedy tokens: " + ("the same in every revision and round" if same else "DIFFER between runs"))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
