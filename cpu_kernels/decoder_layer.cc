@@ -192,7 +192,8 @@ void merge_splits(Layer<KV>& L) {
         std::fill(og, og + dim, 0.0f);
         for (int64_t sp = 0; sp < L.splits; ++sp) {
           const float* ps = part + sp * stride;
-          const float w = ps[g_num * dim + g] == -INFINITY ? 0.0f : std::exp(ps[g_num * dim + g] - mx);
+          if (ps[g_num * dim + g] == -INFINITY) continue;  // an empty range: its o was never written
+          const float w = std::exp(ps[g_num * dim + g] - mx);
           sum += w * ps[g_num * dim + g_num + g];
           for (int64_t d = 0; d < dim; ++d) og[d] += w * ps[g * dim + d];
         }

@@ -124,13 +124,16 @@ def test_caches_head_dims_and_windows(cache_dtype, head_dim, sliding_window):
 
 
 @needs_native
-@pytest.mark.parametrize("lens", [[300], [517, 0], [260, 129]], ids=["one-row", "one-row-padded", "two-rows"])
+@pytest.mark.parametrize("lens", [[300], [517, 0], [260, 129], [517, 3]],
+                         ids=["one-row", "one-row-padded", "two-rows", "short-row"])
 @pytest.mark.parametrize("sliding_window", [None, 200])
-@pytest.mark.parametrize("head_dim", [64, 32], ids=["avx512-loops", "generic-loops"])
-def test_long_contexts_split_over_the_threads(lens, sliding_window, head_dim):
+@pytest.mark.parametrize("head_dim,cache_dtype", [(64, jnp.float32), (64, jnp.bfloat16), (32, jnp.float32)],
+                         ids=["avx512-loops", "avx512-loops-bf16", "generic-loops"])
+def test_long_contexts_split_over_the_threads(lens, sliding_window, head_dim, cache_dtype):
     """Few (row, KV head) tasks over hundreds of keys: the kernel splits each one's keys in
-    ranges (merged as flash-decoding does); the window moves the ranges' start."""
-    step = _step(len(lens), head_dim, jnp.float32, seed=5, lens=lens, num_blocks=300, width=140)
+    ranges (merged as flash-decoding does); the window moves the ranges' start; a row shorter
+    than the split count leaves ranges empty."""
+    step = _step(len(lens), head_dim, cache_dtype, seed=5, lens=lens, num_blocks=300, width=140)
     _check(_weights(FORMAT_SETS[1], head_dim, seed=6), step, head_dim, sliding_window=sliding_window)
 
 
