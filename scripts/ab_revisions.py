@@ -230,8 +230,14 @@ def main() -> int:
     print_table(f"{args.workload}, {args.rounds} alternating rounds", ["figure", "revision", "median",
                                                                        "ratio to the first", "runs"], rows)
     if "tokens" in runs[names[0]][0]:
-        same = len({r["tokens"] for name in names for r in runs[name]}) == 1
-        print("greedy tokens: " + ("the same in every revision and round" if same else "DIFFER between runs"))
+        digests = {name: [r["tokens"] for r in runs[name]] for name in names}
+        if len({d for ds in digests.values() for d in ds}) == 1:
+            print("greedy tokens: the same in every revision and round")
+        else:  # within a revision they must not move; between revisions, near-ties may flip
+            for name, ds in digests.items():
+                print(f"greedy tokens of {name}: " + ("the same in every round" if len(set(ds)) == 1 else
+                                                      f"DIFFER between rounds ({len(set(ds))} digests)")
+                      + f", {ds[0][:12]}")
     return 0
 
 if __name__ == "__main__":
