@@ -416,10 +416,15 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
   const int64_t sizes[] = {t * d, t * hq * dim, t * hkv * dim, t * hkv * dim, t * hq * dim, t * d, t * f, t * f,
                            t * f, t * d, t * hq * kMaxSplits * (dim + 2)};
   float** slices[] = {&L->n, &L->q, &L->k, &L->v, &L->a, &L->h, &L->g, &L->u, &L->act, &L->dn, &L->partial};
+  // ... then the four matmuls' side inputs of x (quant_matmul.h attach_side)
+  const int64_t sides[] = {side_bytes(t, d) / 4, side_bytes(t, hq * dim) / 4, side_bytes(t, d) / 4,
+                           side_bytes(t, f) / 4};
   int64_t total = 0;
   for (int64_t size : sizes) total += (size + 15) / 16 * 16;  // 64-byte aligned slices
+  for (int64_t size : sides) total += size;
   float* next = scratch_for(total);
   for (int i = 0; i < 11; ++i) *slices[i] = next, next += (sizes[i] + 15) / 16 * 16;
+  float* side = next;
   std::fill(L->a, L->a + t * hq * dim, 0.0f);
   const WeightArg qkv[3] = {{data_of(wq), rows_of(wq), bytes_of(wq), L->q, hq * dim},
                             {data_of(wk), rows_of(wk), bytes_of(wk), L->k, hkv * dim},
@@ -433,6 +438,8 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
       !set_up(L->gate_up, format_gate_up, activations, L->n, t, d, gate_up, 2) ||
       !set_up(L->down, format_down, activations, L->act, t, f, down, 1))
     return ffi::Error::InvalidArgument("a weight's bytes do not fit its format and the layer's sizes");
+  Matmul* matmuls[] = {&L->qkv, &L->o, &L->gate_up, &L->down};
+  for (int i = 0; i < 4; ++i) attach_side(matmuls[i]->work, reinterpret_cast<char*>(side)), side += sides[i];
   const WeightArg next_qkv[3] = {{data_of(next_wq), rows_of(next_wq), bytes_of(next_wq), nullptr, hq * dim},
                                  {data_of(next_wk), rows_of(next_wk), bytes_of(next_wk), nullptr, hkv * dim},
                                  {data_of(next_wv), rows_of(next_wv), bytes_of(next_wv), nullptr, hkv * dim}};

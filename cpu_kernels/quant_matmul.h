@@ -100,10 +100,14 @@ struct Work {
   int num_parts;
   int64_t chunk_tiles;  // chunk_tiles(m)
   int64_t num_chunks;
-  std::unique_ptr<float[]> xsum;   // [m, k / 32] block sums of x (f32 activations)
-  std::unique_ptr<int8_t[]> xq;    // [m, k] x quantized (i8 activations)
-  std::unique_ptr<float[]> xd;     // [m, k / 32] its scales
-  std::unique_ptr<int32_t[]> xqs;  // [m, k / 32] sums of its quantized values
+  // x's side inputs (prepare_x), in memory the caller attached (attach_side) or, without it,
+  // memory the Work allocates and owns.
+  float* xsum = nullptr;    // [m, k / 32] block sums of x (f32 activations)
+  int8_t* xq = nullptr;     // [m, k] x quantized (i8 activations)
+  float* xd = nullptr;      // [m, k / 32] its scales
+  int32_t* xqs = nullptr;   // [m, k / 32] sums of its quantized values
+  struct Free { void operator()(char* p) const { std::free(p); } };
+  std::unique_ptr<char, Free> side;
   // Chunks taken (take_chunk): the low 32 bits count those taken from the front, the high 32
   // bits those taken from the back.
   std::atomic<int64_t> taken{0};
@@ -168,7 +172,7 @@ void tile_dot_portable(const Work& wk, const uint8_t* tile, int64_t i0, int r, f
           for (int j = 0; j < kBlock; ++j) t += float(q[l][j]) * xb[j];
           out[i][l] += d[l] * t + m[l] * wk.xsum[row * nb + b];
         } else {
-          const int8_t* xb = wk.xq.get() + row * wk.k + b * kBlock;
+          const int8_t* xb = wk.xq + row * wk.k + b * kBlock;
           int32_t t = 0;
           for (int j = 0; j < kBlock; ++j) t += q[l][j] * int32_t(xb[j]);
           const float dx = wk.xd[row * nb + b];
@@ -347,7 +351,7 @@ void avx2_q4_1_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[
         const __m256i lo = _mm256_and_si256(v, nibble);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
         for (int i = 0; i < r; ++i) {
-          const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
+          const int8_t* xb = wk.xq + (i0 + i) * wk.k + b * kBlock;
           dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(lo, bcast4_256(xb + 4 * L)));
           dot[i] = _mm256_add_epi16(dot[i], _mm256_maddubs_epi16(hi, bcast4_256(xb + 16 + 4 * L)));
         }
@@ -381,7 +385,7 @@ void avx2_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[
         const __m256i q = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 + 64 * L + 32 * h)), flip);
         const __m256i aq = _mm256_abs_epi8(q);  // |q|, unsigned (-128 -> 128)
         for (int i = 0; i < r; ++i) {
-          const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
+          const int8_t* xb = wk.xq + (i0 + i) * wk.k + b * kBlock;
           const __m256i sx = _mm256_sign_epi8(bcast4_256(xb + 4 * L), q);  // x * sign(q)
           dot[i] = _mm256_add_epi32(dot[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), ones));
         }
@@ -420,7 +424,7 @@ void avx_q4_1_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[k
       const __m512i lo = _mm512_and_si512(v, nibble);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
       for (int i = 0; i < r; ++i) {
-        const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
+        const int8_t* xb = wk.xq + (i0 + i) * wk.k + b * kBlock;
         dot[i] = _mm512_dpbusd_epi32(dot[i], lo, bcast4(xb + 4 * L));
         dot[i] = _mm512_dpbusd_epi32(dot[i], hi, bcast4(xb + 16 + 4 * L));
       }
@@ -449,7 +453,7 @@ void avx_q8_0_i8(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[k
     for (int L = 0; L < 8; ++L) {
       const __m512i v = _mm512_loadu_si512(p + 32 + 64 * L);  // q + 128, unsigned
       for (int i = 0; i < r; ++i) {
-        const int8_t* xb = wk.xq.get() + (i0 + i) * wk.k + b * kBlock;
+        const int8_t* xb = wk.xq + (i0 + i) * wk.k + b * kBlock;
         dot[i] = _mm512_dpbusd_epi32(dot[i], v, bcast4(xb + 4 * L));
       }
     }
@@ -581,12 +585,32 @@ bool run_chunks(Work& wk, bool from_back = false) {
   return last;
 }
 
+// Bytes of x's side inputs for m rows of k (each array 64-byte aligned).
+constexpr int64_t side_bytes(int64_t m, int64_t k) {
+  return (m * k + 63) / 64 * 64 + 3 * ((m * (k / kBlock) * 4 + 63) / 64 * 64);
+}
+
+// Points wk's side inputs into mem (side_bytes(wk.m, wk.k) bytes, 64-byte aligned), which the
+// caller keeps for the Work's life: decoder_layer.cc's layers reuse their scratch, where a
+// layer's four matmuls allocating theirs cost a malloc and a free each in the serial work.
+inline void attach_side(Work& wk, char* mem) {
+  const int64_t blocks = wk.m * (wk.k / kBlock), arr = (blocks * 4 + 63) / 64 * 64;
+  wk.xq = reinterpret_cast<int8_t*>(mem);
+  mem += (wk.m * wk.k + 63) / 64 * 64;
+  wk.xd = reinterpret_cast<float*>(mem);
+  wk.xqs = reinterpret_cast<int32_t*>(mem + arr);
+  wk.xsum = reinterpret_cast<float*>(mem + 2 * arr);
+}
+
 // x's per-block side inputs: block sums (f32 activations) or its int8 quantization.
 template <int kActs>
 void prepare_x(Work& wk) {
   const int64_t nb = wk.k / kBlock, blocks = wk.m * nb;
+  if (wk.xq == nullptr) {
+    wk.side.reset(static_cast<char*>(std::aligned_alloc(64, side_bytes(wk.m, wk.k))));
+    attach_side(wk, wk.side.get());
+  }
   if (kActs == kF32) {
-    wk.xsum.reset(new float[blocks]);
     for (int64_t a = 0; a < blocks; ++a) {
       float s = 0.0f;
       for (int j = 0; j < kBlock; ++j) s += wk.x[a * kBlock + j];
@@ -594,9 +618,6 @@ void prepare_x(Work& wk) {
     }
     return;
   }
-  wk.xq.reset(new int8_t[wk.m * wk.k]);
-  wk.xd.reset(new float[blocks]);
-  wk.xqs.reset(new int32_t[blocks]);
   for (int64_t a = 0; a < blocks; ++a) {
     const float* xb = wk.x + a * kBlock;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
