@@ -324,7 +324,7 @@ bool run_phase(Layer<KV>& L, int p, bool from_back) {
     case kDown: return L.down.run(L.down.work, from_back);
     case kAttend: {
       Job<KV>& job = L.attend;
-      std::vector<float> scores;
+      thread_local std::vector<float> scores;  // grown once per thread, not per layer
       bool last = false;
       for (int64_t i; (i = job.next.fetch_add(1)) < L.num_tasks;) {
         if (L.splits == 1) {

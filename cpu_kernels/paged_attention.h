@@ -250,7 +250,8 @@ template <typename KV>
 void run_task(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
   const int64_t end = job.seq_lens[seq], g_num = job.group, dim = job.dim, hq = job.hkv * g_num;
   float* out = job.out + (job.qsl[seq] * hq + h * g_num) * dim;
-  std::vector<float> stats(2 * g_num);  // m, then l
+  thread_local std::vector<float> stats;  // m, then l (kept: a task allocating its own cost a malloc)
+  stats.resize(2 * g_num);
   attend_keys_any(job, seq, h, first_key(job, end), end, scores, stats.data(), stats.data() + g_num, out);
   for (int64_t g = 0; g < g_num; ++g) {
     const float inv = 1.0f / stats[g_num + g];
@@ -346,7 +347,7 @@ void run_any(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& sco
 template <typename KV>
 void run_tasks(Job<KV>& job) {
   const int64_t num_tasks = int64_t(job.seqs.size()) * job.hkv;
-  std::vector<float> scores;
+  thread_local std::vector<float> scores;  // grown once per thread, not per call
   for (int64_t i; (i = job.next.fetch_add(1)) < num_tasks;) {
     run_any(job, job.seqs[i / job.hkv], i % job.hkv, scores);
     job.done.fetch_add(1, std::memory_order_release);
