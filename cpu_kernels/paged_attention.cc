@@ -47,7 +47,7 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     team.post([job] { run_tasks(*job); }, std::min<int64_t>(team.num_helpers(), num_tasks / 2),
               paged_jax::ThreadTeam::kLinger);
   } else {
-    const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_tasks / 2);
+    const int64_t helpers = paged_jax::pool_helpers(pool.num_threads(), num_tasks / 2);
     for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { run_tasks(*job); });
   }
   run_tasks(*job);

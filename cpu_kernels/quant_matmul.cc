@@ -47,7 +47,7 @@ ffi::Error quant_matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Rema
   if (team.has_awake_helper()) {
     team.post(job, std::min<int64_t>(team.num_helpers(), num_chunks - 1), paged_jax::ThreadTeam::kLinger);
   } else {
-    const int64_t helpers = std::min<int64_t>(pool.num_threads(), num_chunks - 1);
+    const int64_t helpers = paged_jax::pool_helpers(pool.num_threads(), num_chunks - 1);
     for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { run_chunks<kFormat, kActs>(*work); });
   }
   run_chunks<kFormat, kActs>(*work);

@@ -20,6 +20,7 @@
 #include <memory>
 
 #include "paged_attention.h"  // exp_nonpositive
+#include "thread_team.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace {
@@ -124,7 +125,7 @@ ffi::Error argmax_logsumexp(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   job->argmax = argmax->typed_data();
   job->lse = lse->typed_data();
   // A row is ~10-20 us at a 50k vocabulary: helpers for a batch's rows only.
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), job->rows / 2);
+  const int64_t helpers = paged_jax::pool_helpers(pool.num_threads(), job->rows / 2);
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([job] { run_rows(*job); });
   run_rows(*job);
   // A helper that starts late finds no row left and only drops its reference to the job.

@@ -17,7 +17,8 @@
 // call on the team, a float model's throughput fell 4-7% and a batch of 32 packed sequences'
 // 15%. There XLA's pool is the better helper (its threads are often awake for XLA's own ops),
 // so the matmul and attention kernels use the team only while one of its helpers is awake
-// (has_awake_helper: a one-call layer ran within kLinger), and XLA's pool otherwise.
+// (has_awake_helper: a one-call layer ran within kLinger), and XLA's pool otherwise, waking
+// one pool thread per core besides the caller's (pool_helpers).
 //
 // post(job, n, spin) hands job to up to n helpers and returns at once; the caller works too,
 // and the job's own counters say when its work is done (each kernel splits its work into
@@ -35,6 +36,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -115,14 +117,30 @@ class ThreadTeam {
   int sleeping_ = 0;
 };
 
-// The process's team (never destroyed: its threads are detached and may be spinning at exit).
-inline ThreadTeam& thread_team() {
-  static ThreadTeam* team = [] {
+// The cores of this process's affinity besides the calling thread's (read once).
+inline int64_t other_cores() {
+  static const int64_t n = [] {
     cpu_set_t set;
     const int64_t cpus = sched_getaffinity(0, sizeof set, &set) == 0 ? int64_t(CPU_COUNT(&set)) : 1;
-    return new ThreadTeam(cpus > 1 ? cpus - 1 : 0);
+    return cpus > 1 ? cpus - 1 : 0;
   }();
+  return n;
+}
+
+// The process's team (never destroyed: its threads are detached and may be spinning at exit).
+inline ThreadTeam& thread_team() {
+  static ThreadTeam* team = new ThreadTeam(other_cores());
   return *team;
+}
+
+// How many of XLA's pool threads a kernel that hands `wanted` extra pieces of work to the pool
+// (not to the team) should wake: one per core besides the caller's, as the team has. The pool
+// has a thread per core, and a call on a thread outside it (the Python thread that dispatched
+// the program) waking all of them made one thread more than there are cores: the head's matmul
+// of a decode step ran on three threads, and single-stream decode of SmolLM2 was 3.6-4.0%
+// slower (docs/BENCHMARKS.md section 18, ninth pass).
+inline int64_t pool_helpers(int64_t pool_threads, int64_t wanted) {
+  return std::max<int64_t>(0, std::min<int64_t>({pool_threads, other_cores(), wanted}));
 }
 
 }  // namespace paged_jax
