@@ -35,6 +35,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include "xla/ffi/api/ffi.h"
