@@ -7,10 +7,12 @@
 // one native call (decoder_layer.cc) makes such calls back to back, each 100-200 us of work:
 // there the team's helpers, which spin for kLinger after such a job before they sleep, are
 // awake for the next one and pay no wake-up. Such a step runs all its layers in one program
-// (paged_jax/runner.py LayerGroups), so the gaps between them are a few us of XLA thunks, and a
-// short spin covers them. A longer one (1 ms) kept a core busy through the head's XLA ops and
-// the host's work for the next step: single-stream decode of SmolLM2 was 6-8% slower than with
-// 50 us (four alternating runs, docs/BENCHMARKS.md section 18, sixth pass).
+// (paged_jax/runner.py LayerGroups), so the gaps between them are a few us of XLA thunks. The
+// spin is 1 ms, longer than the step's head and the host's work before the next step (~0.3-0.5
+// ms for a single stream), so the head's matmul and the next step's first layer find the helper
+// awake too: against 50 us, single-stream decode of SmolLM2 int8 was 8-11% faster and a batch
+// of 32 decoding sequences 4% (docs/BENCHMARKS.md section 18, ninth pass; the sixth pass had
+// found 1 ms slower, when a head without a team helper woke every thread of XLA's pool).
 //
 // Where native calls sit between XLA's own work (prefill chunks, batched steps of XLA layers,
 // a float model's attention), a spinning helper takes a core from XLA's threads: with every
@@ -48,7 +50,7 @@ namespace paged_jax {
 class ThreadTeam {
  public:
   // How long a helper spins after a job (by default) before it sleeps.
-  static constexpr int64_t kLinger = 50;  // us
+  static constexpr int64_t kLinger = 1000;  // us
 
   explicit ThreadTeam(int64_t num_helpers) : num_helpers_(num_helpers) {
     for (int64_t i = 0; i < num_helpers; ++i) std::thread([this] { loop(); }).detach();

@@ -76,9 +76,10 @@ llm = LLM("smollm2-135m-instruct", weight_dtype="auto", activation_dtype="int8",
 engine = llm.engine
 greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
-def stream(num_prompt, max_tokens):
-    # one request: (decode tok/s after its first token, its tokens)
-    engine.add_request(f"r{time.monotonic_ns()}", list(range(100, 100 + num_prompt)), greedy(max_tokens))
+def stream(num_prompt, max_tokens, offset=100):
+    # one request: (decode tok/s after its first token, its tokens, TTFT in ms)
+    start = time.perf_counter()
+    engine.add_request(f"r{time.monotonic_ns()}", list(range(offset, offset + num_prompt)), greedy(max_tokens))
     first, tokens = None, []
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -86,12 +87,13 @@ def stream(num_prompt, max_tokens):
                 first = time.perf_counter()
             if out.finished:
                 tokens = list(out.token_ids)
-    return (len(tokens) - 1) / (time.perf_counter() - first), tokens
+    return (len(tokens) - 1) / (time.perf_counter() - first), tokens, 1e3 * (first - start)
 
 rng = np.random.default_rng(0)
 prompts = [rng.integers(100, 10000, 64).tolist() for _ in range(32)]
 reset_prefix_cache = getattr(llm, "reset_prefix_cache", None) or llm.engine.kv_cache_manager.reset_prefix_cache
 stream(1, 8), stream(300, 8)
+tokens_seen = []
 print("ready", flush=True)
 for _ in sys.stdin:
     if workload == "batch":
@@ -101,8 +103,12 @@ for _ in sys.stdin:
         figures = {"32 sequences x 128 tokens, output tok/s": 32 * 128 / (time.perf_counter() - start)}
         tokens = [o.outputs[0].token_ids for o in outs]
     else:
-        (short, short_tokens), (long, long_tokens) = stream(1, 128), stream(300, 256)
-        figures = {"1-token prompt, 128 tokens, tok/s": short, "300-token prompt, 256 tokens, tok/s": long}
+        (short, short_tokens, _), (long, long_tokens, _) = stream(1, 128), stream(300, 256)
+        # a prompt the prefix cache has not seen (each round's own), right after a decode
+        ttft = stream(300, 1, offset=1000 + 300 * len(tokens_seen))[2]
+        tokens_seen.append(0)
+        figures = {"1-token prompt, 128 tokens, tok/s": short, "300-token prompt, 256 tokens, tok/s": long,
+                   "300-token prompt, TTFT ms": ttft}
         tokens = [short_tokens, long_tokens]
     figures["tokens"] = hashlib.sha1(json.dumps([list(map(int, t)) for t in tokens]).encode()).hexdigest()
     print(json.dumps(figures), flush=True)
