@@ -282,8 +282,9 @@ def serving(args, gguf: str, llama_dir: str, threads: int, vocab: int) -> dict:
         fresh = workload == "shared-prefix"
         servers = {} if fresh else {e: Server(e, gguf, llama_dir, threads) for e in engines}
         try:
-            for server in servers.values():
-                server.send([rng.integers(3, vocab - 8, spec["prompt_tokens"]).tolist() for _ in range(4)], 8)
+            for server in servers.values():  # at the workload's concurrency: a first full batch costs more
+                server.send([rng.integers(3, vocab - 8, spec["prompt_tokens"]).tolist()
+                             for _ in range(spec["requests"])], 8)
             for r in range(args.rounds):
                 for engine in (engines if r % 2 == 0 else engines[::-1]):
                     server = Server(engine, gguf, llama_dir, threads) if fresh else servers[engine]
