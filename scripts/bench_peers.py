@@ -339,6 +339,9 @@ class PagedJax:
         firsts = []
         sp = self.params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         engine = self.llm.engine
+        # Every round prefills the whole prompt (llama-server runs with cache_prompt off): with the
+        # prefix cache warm from the last round, TTFT was one block's prefill.
+        self.llm.reset_prefix_cache()
         start = time.perf_counter()
         engine.add_request(f"r{time.monotonic_ns()}", prompt_ids, sp)
         tokens = []
