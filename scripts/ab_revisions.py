@@ -14,7 +14,8 @@ each revision's median ratio to the first one's, round by round. The workloads (
   (_bench_common.BENCH_MODEL, float32), with bench_throughput's engine arguments.
 - stream: SmolLM2-135M-Instruct's GGUF with int8 activations (models/named_models.py, fetched
   once), one request at a time as bench_peers runs it: decode tok/s after the first token from
-  a 1-token prompt (128 tokens) and from a 300-token prompt (256 tokens).
+  a 1-token prompt (128 tokens) and from a 300-token prompt (256 tokens), and the TTFT of a
+  300-token prompt the prefix cache has not seen, sent right after them.
 - batch: the same model, 32 prompts of 64 random tokens decoding together, 128 tokens each:
   output tok/s of the whole `LLM.generate`.
 
@@ -93,9 +94,8 @@ rng = np.random.default_rng(0)
 prompts = [rng.integers(100, 10000, 64).tolist() for _ in range(32)]
 reset_prefix_cache = getattr(llm, "reset_prefix_cache", None) or llm.engine.kv_cache_manager.reset_prefix_cache
 stream(1, 8), stream(300, 8)
-tokens_seen = []
 print("ready", flush=True)
-for _ in sys.stdin:
+for round_index, _ in enumerate(sys.stdin):
     if workload == "batch":
         reset_prefix_cache()
         start = time.perf_counter()
@@ -105,8 +105,7 @@ for _ in sys.stdin:
     else:
         (short, short_tokens, _), (long, long_tokens, _) = stream(1, 128), stream(300, 256)
         # a prompt the prefix cache has not seen (each round's own), right after a decode
-        ttft = stream(300, 1, offset=1000 + 300 * len(tokens_seen))[2]
-        tokens_seen.append(0)
+        ttft = stream(300, 1, offset=1000 + 300 * round_index)[2]
         figures = {"1-token prompt, 128 tokens, tok/s": short, "300-token prompt, 256 tokens, tok/s": long,
                    "300-token prompt, TTFT ms": ttft}
         tokens = [short_tokens, long_tokens]
