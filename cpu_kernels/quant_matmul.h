@@ -184,6 +184,11 @@ void tile_dot_portable(const Work& wk, const uint8_t* tile, int64_t i0, int r, f
   }
 }
 
+#if defined(__AVX2__) && defined(__F16C__)
+// Also where AVX-512 F + BW have no VNNI (Skylake-SP): the int8 loops are then the AVX2 ones.
+inline __m256 load_f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 inline __m512 load_f16x16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
@@ -254,7 +259,6 @@ void avx_q8_0_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[
 // AVX2 (no AVX-512): the same tiles, each 64-byte load as two 32-byte halves of 8 rows. A
 // half's accumulators are r x (2 chains + 1) registers of the 16, so the halves run one after
 // the other over the tile (its bytes are in L1 by the second).
-inline __m256 load_f16x8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
 
 template <int r>
 void avx2_q4_1_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {

@@ -215,11 +215,15 @@ def test_loops_without_avx512_with_a_window(flags, prefix, dtype):
 
 
 @needs_native
-def test_avx512_loops_compile():
-    """The AVX-512 loops build even where they cannot run (this machine may lack AVX-512)."""
+@pytest.mark.parametrize("flags", [("-mavx512f", "-mavx512bw"), ("-mavx512f", "-mavx512bw", "-mavx512vnni")],
+                         ids=["avx512-without-vnni", "avx512-vnni"])
+def test_avx512_loops_compile(flags):
+    """The AVX-512 loops build even where they cannot run (this machine may lack AVX-512), with
+    VNNI (the int8 loops on vpdpbusd) and without it (Skylake-SP: the f32 loops on AVX-512, the
+    int8 ones on AVX2)."""
     from cpu_kernels import native
 
-    assert native.build(("-mavx512f", "-mavx512bw")) is not None
+    assert native.build(flags) is not None
 
 
 def test_bad_window_for_the_kernel():
