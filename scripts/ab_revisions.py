@@ -18,6 +18,11 @@ each revision's median ratio to the first one's, round by round. The workloads (
   300-token prompt the prefix cache has not seen, sent right after them.
 - batch: the same model, 32 prompts of 64 random tokens decoding together, 128 tokens each:
   output tok/s of the whole `LLM.generate`.
+- layer: the native decoder layer alone, each revision's own scripts/bench_decoder_layer.py
+  (SmolLM2-135M's 30 layers with random q4_1 weights in one program, one decoding token): us a
+  layer at 1, 300 and 1,000 keys, int8 activations, the weights read cold (after 512 MB of other
+  reads, as in an engine step). Each revision builds its own kernels (cpu_kernels/native.py keys
+  its cache by the sources), so this is the A/B for a kernel change.
 
 The GGUF workloads also say whether every revision's greedy tokens were the same.
 `--layers-per-program` adds the working tree once more with that many layers per compiled program.
@@ -114,6 +119,25 @@ for round_index, _ in enumerate(sys.stdin):
 """
 
 
+LAYER_WORKER = """
+import inspect, json, sys
+import numpy as np
+repo = sys.argv[1]
+sys.path[:0] = [repo, repo + "/scripts"]
+import bench_decoder_layer as bench
+layers = bench._stack(np.random.default_rng(0), "q4_1")
+evict = np.ones(512 * 2**18, np.float32)
+cold = {"evict": evict} if "evict" in inspect.signature(bench.time_stack).parameters else {}
+contexts = (1, 300, 1000)
+for context in contexts:  # compiled and warm before the rounds
+    bench.time_stack(layers, context, "int8", 2, **cold)
+print("ready", flush=True)
+for _ in sys.stdin:
+    print(json.dumps({f"{c} keys, int8, cold, us a layer": 1e6 * bench.time_stack(layers, c, "int8", 30, **cold)
+                      / len(layers) for c in contexts}), flush=True)
+"""
+
+
 # (script and arguments, JSON path of the figure, row name) for --host
 HOST_FIGURES = [
     (("bench_block_manager.py", "--repeats", "2"), ("decode_allocate_us",), "decode allocate_slots, us"),
@@ -155,7 +179,8 @@ def engine_ab(trees, workload: str, model_dir: str, rounds: int) -> dict[str, li
     workers = {}
     try:
         for name, path, lpp in trees:  # one warm-up at a time: they would share the cores
-            code, arg = (MIXED_WORKER, model_dir) if workload == "mixed" else (GGUF_WORKER, workload)
+            code, arg = {"mixed": (MIXED_WORKER, model_dir), "layer": (LAYER_WORKER, "")}.get(
+                workload, (GGUF_WORKER, workload))
             workers[name] = subprocess.Popen([sys.executable, "-c", code, path, arg, json.dumps(lpp)],
                                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             if workers[name].stdout.readline().strip() != "ready":
@@ -180,7 +205,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revisions", nargs="+", help="commits to compare; '.' is the working tree")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--workload", choices=("mixed", "stream", "batch"), default="mixed",
+    parser.add_argument("--workload", choices=("mixed", "stream", "batch", "layer"), default="mixed",
                         help="what each revision runs (the module docstring says what each is)")
     parser.add_argument("--layers-per-program", type=int, default=None)
     parser.add_argument("--host", action="store_true", help="compare the host-side benchmarks instead")
