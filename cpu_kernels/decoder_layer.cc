@@ -328,7 +328,7 @@ bool run_phase(Layer<KV>& L, int p, bool from_back) {
       bool last = false;
       for (int64_t i; (i = job.next.fetch_add(1)) < L.num_tasks;) {
         if (L.splits == 1) {
-          run_any(job, job.seqs[i / job.hkv], i % job.hkv, scores);
+          run_task(job, job.seqs[i / job.hkv], i % job.hkv, scores);
         } else {  // task i: row r, KV head h, key range sp of the row's keys
           const int64_t sp = i % L.splits, rh = i / L.splits, seq = job.seqs[rh / job.hkv];
           const int64_t end = job.seq_lens[seq], first = first_key(job, end), n = end - first;

@@ -81,16 +81,6 @@ inline void exp_rows(float* scores, int64_t rows, int64_t len, float* m, float* 
   }
 }
 
-// Each of `rows` rows of len scores becomes its softmax, in place.
-inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
-  std::vector<float> stats(2 * rows);
-  exp_rows(scores, rows, len, stats.data(), stats.data() + rows);
-  for (int64_t g = 0; g < rows; ++g) {
-    const float inv = 1.0f / stats[rows + g];
-    for (int64_t t = 0; t < len; ++t) scores[g * len + t] *= inv;
-  }
-}
-
 template <typename KV>
 struct Job {
   const float* q;
@@ -234,6 +224,77 @@ bool attend_keys_group(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, i
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// attend_keys on AVX2 (8 floats a register) with kG query heads per KV head and head_dim
+// 8 * kC: the scores of a key from the key held in registers, then the values kP registers of
+// each query head's output at a time (kG * kP accumulators fit the 16 registers). Like the
+// AVX-512 loops it serves a split key range too: the generic loops' per-key set-up made a
+// lone sequence's split attention ~2x llama.cpp's on a Zen 1 (docs/BENCHMARKS.md, tenth pass).
+template <typename KV, int kG, int kC>
+void attend_keys_avx2(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1,
+                      std::vector<float>& scores, float* m, float* l, float* o) {
+  constexpr int kP = kG <= 3 ? 4 : kG <= 6 ? 2 : 1;
+  static_assert(kC % kP == 0, "kP columns divide the head");
+  const int64_t row = job.qsl[seq], len = k1 - k0, dim = 8 * kC, hq = job.hkv * kG;
+  const float* q = job.q + (row * hq + h * kG) * dim;
+  const int32_t* table = job.tables + seq * job.width;
+  scores.resize(kG * len);  // scores[g * len + i] is key k0 + i
+  float* s = scores.data();
+  alignas(32) float qs[kG * 8 * kC];  // the query heads, scaled
+  for (int64_t j = 0; j < kG * dim; ++j) qs[j] = q[j] * job.scale;
+  for_each_slot(job, job.k, table, h, k0, k1, [&](int64_t i, const KV* key) {
+    __m256 kv[kC];
+    for (int c = 0; c < kC; ++c) kv[c] = load8(key + 8 * c);
+    for (int g = 0; g < kG; ++g) {
+      __m256 a0 = _mm256_mul_ps(_mm256_load_ps(qs + g * dim), kv[0]), a1 = _mm256_setzero_ps();
+      for (int c = 1; c < kC; ++c) {
+        const __m256 t = _mm256_load_ps(qs + g * dim + 8 * c);
+        if (c & 1) a1 = _mm256_fmadd_ps(t, kv[c], a1); else a0 = _mm256_fmadd_ps(t, kv[c], a0);
+      }
+      s[g * len + i] = hsum8(_mm256_add_ps(a0, a1));
+    }
+  }, job.v);
+  exp_rows(s, kG, len, m, l);
+  for (int c0 = 0; c0 < kC; c0 += kP) {
+    __m256 acc[kG][kP];
+    for (int g = 0; g < kG; ++g)
+      for (int c = 0; c < kP; ++c) acc[g][c] = _mm256_setzero_ps();
+    for_each_slot(job, job.v, table, h, k0, k1, [&](int64_t i, const KV* value) {
+      __m256 vv[kP];
+      for (int c = 0; c < kP; ++c) vv[c] = load8(value + 8 * (c0 + c));
+      for (int g = 0; g < kG; ++g) {
+        const __m256 p = _mm256_set1_ps(s[g * len + i]);
+        for (int c = 0; c < kP; ++c) acc[g][c] = _mm256_fmadd_ps(p, vv[c], acc[g][c]);
+      }
+    });
+    for (int g = 0; g < kG; ++g)
+      for (int c = 0; c < kP; ++c) _mm256_storeu_ps(o + g * dim + 8 * (c0 + c), acc[g][c]);
+  }
+}
+
+template <typename KV, int kC>
+bool attend_keys_group(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1,
+                       std::vector<float>& scores, float* m, float* l, float* o) {
+  switch (job.group) {
+#define PJ_GROUP(g) \
+  case g: attend_keys_avx2<KV, g, kC>(job, seq, h, k0, k1, scores, m, l, o); return true;
+    PJ_GROUP(1) PJ_GROUP(2) PJ_GROUP(3) PJ_GROUP(4) PJ_GROUP(5) PJ_GROUP(6) PJ_GROUP(7) PJ_GROUP(8)
+#undef PJ_GROUP
+    default: return false;
+  }
+}
+#endif
+
 // attend_keys on the fastest loops this build has for the shape.
 template <typename KV>
 void attend_keys_any(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1, std::vector<float>& scores,
@@ -241,6 +302,9 @@ void attend_keys_any(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int
 #if defined(__AVX512F__)
   if (job.dim == 64 && attend_keys_group<KV, 4>(job, seq, h, k0, k1, scores, m, l, o)) return;
   if (job.dim == 128 && attend_keys_group<KV, 8>(job, seq, h, k0, k1, scores, m, l, o)) return;
+#elif defined(__AVX2__) && defined(__FMA__)
+  if (job.dim == 64 && attend_keys_group<KV, 8>(job, seq, h, k0, k1, scores, m, l, o)) return;
+  if (job.dim == 128 && attend_keys_group<KV, 16>(job, seq, h, k0, k1, scores, m, l, o)) return;
 #endif
   attend_keys(job, seq, h, k0, k1, scores, m, l, o);
 }
@@ -259,97 +323,12 @@ void run_task(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& sc
   }
 }
 
-
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// run_task on AVX2 (8 floats a register) with kG query heads per KV head and head_dim 8 * kC:
-// the scores of a key from the key held in registers, then the values kP registers of each
-// query head's output at a time (kG * kP accumulators fit the 16 registers).
-template <typename KV, int kG, int kC>
-void run_task_avx2(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
-  constexpr int kP = kG <= 3 ? 4 : kG <= 6 ? 2 : 1;
-  static_assert(kC % kP == 0, "kP columns divide the head");
-  const int64_t row = job.qsl[seq], end = job.seq_lens[seq], dim = 8 * kC, hq = job.hkv * kG;
-  const int64_t first = first_key(job, end), len = end - first;  // scores[g * len + i] is key first + i
-  const float* q = job.q + (row * hq + h * kG) * dim;
-  const int32_t* table = job.tables + seq * job.width;
-  scores.resize(kG * len);
-  float* s = scores.data();
-  alignas(32) float qs[kG * 8 * kC];  // the query heads, scaled
-  for (int64_t j = 0; j < kG * dim; ++j) qs[j] = q[j] * job.scale;
-  for_each_slot(job, job.k, table, h, first, end, [&](int64_t i, const KV* key) {
-    __m256 kv[kC];
-    for (int c = 0; c < kC; ++c) kv[c] = load8(key + 8 * c);
-    for (int g = 0; g < kG; ++g) {
-      __m256 a0 = _mm256_mul_ps(_mm256_load_ps(qs + g * dim), kv[0]), a1 = _mm256_setzero_ps();
-      for (int c = 1; c < kC; ++c) {
-        const __m256 t = _mm256_load_ps(qs + g * dim + 8 * c);
-        if (c & 1) a1 = _mm256_fmadd_ps(t, kv[c], a1); else a0 = _mm256_fmadd_ps(t, kv[c], a0);
-      }
-      s[g * len + i] = hsum8(_mm256_add_ps(a0, a1));
-    }
-  }, job.v);
-  softmax_rows(s, kG, len);
-  float* out = job.out + (row * hq + h * kG) * dim;
-  for (int c0 = 0; c0 < kC; c0 += kP) {
-    __m256 o[kG][kP];
-    for (int g = 0; g < kG; ++g)
-      for (int c = 0; c < kP; ++c) o[g][c] = _mm256_setzero_ps();
-    for_each_slot(job, job.v, table, h, first, end, [&](int64_t i, const KV* value) {
-      __m256 vv[kP];
-      for (int c = 0; c < kP; ++c) vv[c] = load8(value + 8 * (c0 + c));
-      for (int g = 0; g < kG; ++g) {
-        const __m256 p = _mm256_set1_ps(s[g * len + i]);
-        for (int c = 0; c < kP; ++c) o[g][c] = _mm256_fmadd_ps(p, vv[c], o[g][c]);
-      }
-    });
-    for (int g = 0; g < kG; ++g)
-      for (int c = 0; c < kP; ++c) _mm256_storeu_ps(out + g * dim + 8 * (c0 + c), o[g][c]);
-  }
-}
-
-template <typename KV, int kC>
-bool dispatch_group_avx2(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
-  switch (job.group) {
-    case 1: run_task_avx2<KV, 1, kC>(job, seq, h, scores); return true;
-    case 2: run_task_avx2<KV, 2, kC>(job, seq, h, scores); return true;
-    case 3: run_task_avx2<KV, 3, kC>(job, seq, h, scores); return true;
-    case 4: run_task_avx2<KV, 4, kC>(job, seq, h, scores); return true;
-    case 5: run_task_avx2<KV, 5, kC>(job, seq, h, scores); return true;
-    case 6: run_task_avx2<KV, 6, kC>(job, seq, h, scores); return true;
-    case 7: run_task_avx2<KV, 7, kC>(job, seq, h, scores); return true;
-    case 8: run_task_avx2<KV, 8, kC>(job, seq, h, scores); return true;
-    default: return false;
-  }
-}
-#endif
-
-// The task on the fastest loops this build has for its shape (run_task dispatches the
-// AVX-512 ones; AVX2 has loops of its own for a whole task).
-template <typename KV>
-void run_any(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& scores) {
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-  if (job.dim == 64 && dispatch_group_avx2<KV, 8>(job, seq, h, scores)) return;
-  if (job.dim == 128 && dispatch_group_avx2<KV, 16>(job, seq, h, scores)) return;
-#endif
-  run_task(job, seq, h, scores);
-}
-
 template <typename KV>
 void run_tasks(Job<KV>& job) {
   const int64_t num_tasks = int64_t(job.seqs.size()) * job.hkv;
   thread_local std::vector<float> scores;  // grown once per thread, not per call
   for (int64_t i; (i = job.next.fetch_add(1)) < num_tasks;) {
-    run_any(job, job.seqs[i / job.hkv], i % job.hkv, scores);
+    run_task(job, job.seqs[i / job.hkv], i % job.hkv, scores);
     job.done.fetch_add(1, std::memory_order_release);
   }
 }
