@@ -147,6 +147,11 @@ def test_layer_without_avx512_matches_reference(flags, prefix):
     assert dl.build_and_register(flags, prefix=prefix)
     for activations in ("float32", "int8"):
         _check(_weights(FORMAT_SETS[2], 64, seed=3), _step(5, 64, jnp.float32, seed=4), 64, activations, prefix=prefix)
+    # A lone long sequence beside a short one: each task's keys split in ranges, which run these
+    # loops' range attention (attend_keys on AVX2); the window moves the ranges' start.
+    long_step = _step(2, 64, jnp.float32, seed=5, lens=[517, 3], num_blocks=300, width=140)
+    for window in (None, 200):
+        _check(_weights(FORMAT_SETS[1], 64, seed=6), long_step, 64, sliding_window=window, prefix=prefix)
 
 
 @needs_native
