@@ -238,8 +238,8 @@ inline float hsum8(__m256 v) {
 // attend_keys on AVX2 (8 floats a register) with kG query heads per KV head and head_dim
 // 8 * kC: the scores of a key from the key held in registers, then the values kP registers of
 // each query head's output at a time (kG * kP accumulators fit the 16 registers). Like the
-// AVX-512 loops it serves a split key range too: the generic loops' per-key set-up made a
-// lone sequence's split attention ~2x llama.cpp's on a Zen 1 (docs/BENCHMARKS.md, tenth pass).
+// AVX-512 loops it serves a split key range too, where the generic loops' per-key set-up
+// would cost more than their arithmetic (docs/BENCHMARKS.md, tenth pass, measures both).
 template <typename KV, int kG, int kC>
 void attend_keys_avx2(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, int64_t k1,
                       std::vector<float>& scores, float* m, float* l, float* o) {

@@ -259,7 +259,6 @@ void avx_q8_0_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[
 // AVX2 (no AVX-512): the same tiles, each 64-byte load as two 32-byte halves of 8 rows. A
 // half's accumulators are r x (2 chains + 1) registers of the 16, so the halves run one after
 // the other over the tile (its bytes are in L1 by the second).
-
 template <int r>
 void avx2_q4_1_f32(const Work& wk, const uint8_t* tile, int64_t i0, float (*out)[kTile]) {
   const int64_t nb = wk.k / kBlock;
