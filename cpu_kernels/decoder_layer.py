@@ -9,11 +9,10 @@ residuals) in one call whose helpers stay in it from the first matmul to the las
 paged_attention.h, so its numbers are those kernels' numbers.
 
 Every token attends as a decode row of its own (`rows`: paged_jax/attention/xla.py's
-token_rows), which is exact for any batch but reads a sequence's context once per token: the
+token_rows, which the XLA layers' attention uses on a CPU as well), exact for any batch: the
 runner uses the kernel for steps of at most MAX_TOKENS tokens (its bucket) whose queries are
-at most SHORT_QUERY_ROWS tokens each (decodes, verification steps, short chunks; the XLA path
-attends those by token rows too), and the layer's XLA path for the others
-(paged_jax/runner.py ModelRunner.native_step).
+at most SHORT_QUERY_ROWS tokens each (decodes, verification steps, short chunks), and the
+layer's XLA path for the others (paged_jax/runner.py ModelRunner.native_step).
 
 Weights are packed (q8_0 / q4_1 tiles or bf16 rows: cpu_kernels/quant_matmul.py), q/k/v in
 one format and gate/up in one; activations "float32" (exact) or "int8" for the tiled ones

@@ -250,8 +250,8 @@ class ModelRunner:
         scheduled tokens) is max_query_len runs its layers as native calls where they can be
         (cpu_kernels/decoder_layer.py): on one CPU device, in buckets of at most
         decoder_layer.MAX_TOKENS, when every query is at most SHORT_QUERY_ROWS tokens
-        (decodes, verification steps, short chunks), since the kernel attends every token as a
-        decode row and a longer chunk would read its context once per token."""
+        (decodes, verification steps, short chunks). Longer chunks run the XLA layers, whose
+        attention on a CPU is the same token rows (attention/xla.py)."""
         return (self._native_layers and num_tokens <= decoder_layer.MAX_TOKENS
                 and max_query_len <= SHORT_QUERY_ROWS)
 

@@ -159,17 +159,19 @@ def test_token_rows_make_each_query_token_a_decode_row():
 @needs_native
 @pytest.mark.parametrize("sliding_window", [None, 6, 40])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_short_query_batches_run_as_decode_rows(sliding_window, dtype, monkeypatch):
-    """A speculative verification step's shape: sequences of 1 to 8 query tokens (decodes,
-    1 + k proposals, a short chunk) over contexts of 2 to 300 keys. On a CPU every token runs as
-    a native decode row (xla.SHORT_QUERY_ROWS); it equals the float64 reference and the XLA loop,
-    and a batch with a 9-token sequence takes the blocked path and agrees too."""
+def test_every_query_token_runs_as_a_decode_row(sliding_window, dtype, monkeypatch):
+    """On a CPU every query token runs as a native decode row (token_rows): a speculative
+    verification step's shape (sequences of 1 to 8 query tokens over contexts of 2 to 300 keys),
+    a 9-token chunk beside a decode, and prefill chunks of 40 and 100 tokens (one a whole
+    prompt, one after 260 cached keys) beside a decode. Each equals the float64 reference and
+    the blocked XLA loop."""
     from paged_jax.attention import xla
 
-    for q_lens, seq_lens in (([5, 1, 3, 8, 2], [300, 40, 17, 129, 2]), ([9, 1], [60, 33])):
+    for q_lens, seq_lens, num_tokens in (([5, 1, 3, 8, 2], [300, 40, 17, 129, 2], 32), ([9, 1], [60, 33], 32),
+                                         ([40, 1, 100], [300, 33, 100], 160)):
         rng = np.random.default_rng(len(q_lens))
         batch = build_batch(rng, q_lens, seq_lens, num_q_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
-                            dtype=dtype, num_tokens=32, max_num_seqs=6, max_blocks_per_seq=20)
+                            dtype=dtype, num_tokens=num_tokens, max_num_seqs=6, max_blocks_per_seq=20)
         if sliding_window is not None:  # keys wholly before every row's window are NaN
             firsts = [max(0, n - q - sliding_window + 1) for q, n in zip(q_lens, seq_lens)]
             batch = _poison_before(batch, [first // 16 * 16 for first in firsts])

@@ -6,7 +6,9 @@ Same contract as the Pallas kernel (pallas_kernels/paged_attention.py), whose
 The query tokens of every sequence are cut into query blocks, one sequence per block, so a
 block gathers its sequence's pages once for all its rows and all query heads of a KV group.
 Decoding sequences (one token) form blocks of one row; prefill chunks form blocks of
-PREFILL_QUERY_BLOCK rows. Both paths always run, but every loop trip count is dynamic:
+PREFILL_QUERY_BLOCK rows. (On a CPU with a float cache every query token is instead a row of
+the native decode kernel, cpu_kernels/paged_attention.py, through token_rows; this loop serves
+quantized caches there.) Both paths always run, but every loop trip count is dynamic:
 an outer loop walks groups of real blocks only (padding blocks of the bucket cost nothing;
 the last, partial group of prefill blocks is walked one block at a time) and an inner loop
 walks the context in chunks of CONTEXT_CHUNK_TOKENS keys with an online softmax, up to the
@@ -44,9 +46,8 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 DECODE_GROUP = 8  # decoding sequences per outer step
 PREFILL_QUERY_BLOCK = 32  # query tokens per prefill block
 PREFILL_GROUP = 8  # prefill blocks per outer step
-# A CPU batch whose sequences have at most this many query tokens each (decodes, verifying k
-# proposals, short chunks) runs every token as a native decode row (token_rows): reading a
-# short context once per token beats the blocked loop's gathers (docs/BENCHMARKS.md section 20).
+# A CPU step whose sequences have at most this many query tokens each (decodes, verifying k
+# proposals, short chunks) may run whole native layers (paged_jax/runner.py native_step).
 SHORT_QUERY_ROWS = 8
 CONTEXT_CHUNK_TOKENS = 128  # small chunks stay in cache and let causal blocks stop early (bench_attention.py)
 
@@ -245,14 +246,13 @@ def ragged_paged_attention_xla(q, k_cache, v_cache, block_tables, seq_lens, quer
         native = functools.partial(cpu_attention.decode_attention, sm_scale=sm_scale, sliding_window=sliding_window)
 
         def cpu(*args):
-            decoded = lambda: prefill(native(*args).astype(q.dtype))  # noqa: E731
+            # Every query token is a native decode row of its own, prefill chunks included: the
+            # kernel reads a row's keys in place and computes exactly its causal keys, where the
+            # blocked loop gathers pages and walks a group of blocks to its longest member
+            # (docs/BENCHMARKS.md section 18, eleventh pass).
             if num_tokens < 2:
-                return decoded()
-            # Every sequence at most SHORT_QUERY_ROWS tokens (decodes, verification steps of
-            # speculative decoding, short chunks): each token is a decode row of its own.
-            return lax.cond(jnp.max(batch.q_lens) <= SHORT_QUERY_ROWS,
-                            lambda: native(*args[:3], *token_rows(block_tables, batch, num_tokens)).astype(q.dtype),
-                            decoded)
+                return native(*args).astype(q.dtype)
+            return native(*args[:3], *token_rows(block_tables, batch, num_tokens)).astype(q.dtype)
 
         return lax.platform_dependent(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, num_seqs,
                                       cpu=lambda *args: cpu(*args), default=lambda *args: prefill(xla_decode(out)))
