@@ -274,8 +274,10 @@ def serving(args, gguf: str, llama_dir: str, threads: int, vocab: int) -> dict:
     for workload in (w for w in args.workloads if w in SERVING):
         spec = SERVING[workload]
         shared = rng.integers(3, vocab - 8, spec["shared_tokens"]).tolist()
-        prompts = [shared + rng.integers(3, vocab - 8, spec["prompt_tokens"]).tolist()
-                   for _ in range(spec["requests"])]
+        # Each round's prompts are new to both servers (their prompt caches would otherwise turn
+        # a later round's prefill into hits); the engines of a round send the same ones.
+        round_prompts = [[shared + rng.integers(3, vocab - 8, spec["prompt_tokens"]).tolist()
+                          for _ in range(spec["requests"])] for _ in range(args.rounds)]
         runs = {e: [] for e in engines}
         # concurrent: one server per engine, warmed on other prompts; shared-prefix: a fresh
         # server per round (a server that has cached the prefix is past its first round).
@@ -291,7 +293,7 @@ def serving(args, gguf: str, llama_dir: str, threads: int, vocab: int) -> dict:
                     try:
                         if fresh:  # first-request costs out of the round, on unrelated tokens
                             server.send([rng.integers(3, vocab - 8, 16).tolist()], 8)
-                        runs[engine].append(server.send(prompts, spec["max_tokens"]))
+                        runs[engine].append(server.send(round_prompts[r], spec["max_tokens"]))
                     finally:
                         if fresh:
                             server.close()
