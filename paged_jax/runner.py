@@ -52,7 +52,7 @@ from jax.experimental import multihost_utils
 from cpu_kernels import decoder_layer
 from paged_jax.attention import bind_layer, make_attention_backend
 from paged_jax.attention.backend import XlaAttention
-from paged_jax.attention.xla import SHORT_QUERY_ROWS, token_rows
+from paged_jax.attention.xla import token_rows
 from paged_jax.compile_manager import CompileManager
 from paged_jax.core.batch import pad_step_inputs
 from paged_jax.core.step_inputs import (LogitsProcessingMetadata, ModelInputs, SamplingMetadata, SpecDecodeMetadata,
@@ -64,6 +64,11 @@ from paged_jax.sampler import sample
 from paged_jax.sharding import (TP_AXIS, ShardedAttention, cache_shardings, check_tensor_parallel, local_value,
                                 put_replicated, replicated, shard_params, step_fingerprint)
 from pallas_kernels.ragged_batch import ragged_batch
+
+# A CPU step whose sequences have at most this many query tokens each (decodes, verifying k
+# proposals, short chunks) runs whole native layers (native_step); a step with a longer chunk
+# runs the XLA layers, compiled beside them in such a bucket.
+SHORT_QUERY_ROWS = 8
 
 
 def _default_layers_per_program(num_layers: int) -> int:

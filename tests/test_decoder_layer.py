@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from cpu_kernels import decoder_layer as dl
 from cpu_kernels import quant_matmul as qm
-from paged_jax.attention.xla import SHORT_QUERY_ROWS
+from paged_jax.runner import SHORT_QUERY_ROWS
 
 needs_native = pytest.mark.skipif(
     shutil.which(os.environ.get("CXX", "g++")) is None or jax.default_backend() != "cpu"

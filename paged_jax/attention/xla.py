@@ -46,9 +46,6 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 DECODE_GROUP = 8  # decoding sequences per outer step
 PREFILL_QUERY_BLOCK = 32  # query tokens per prefill block
 PREFILL_GROUP = 8  # prefill blocks per outer step
-# A CPU step whose sequences have at most this many query tokens each (decodes, verifying k
-# proposals, short chunks) may run whole native layers (paged_jax/runner.py native_step).
-SHORT_QUERY_ROWS = 8
 CONTEXT_CHUNK_TOKENS = 128  # small chunks stay in cache and let causal blocks stop early (bench_attention.py)
 
 
