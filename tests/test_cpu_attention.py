@@ -165,8 +165,6 @@ def test_every_query_token_runs_as_a_decode_row(sliding_window, dtype, monkeypat
     a 9-token chunk beside a decode, and prefill chunks of 40 and 100 tokens (one a whole
     prompt, one after 260 cached keys) beside a decode. Each equals the float64 reference and
     the blocked XLA loop."""
-    from paged_jax.attention import xla
-
     for q_lens, seq_lens, num_tokens in (([5, 1, 3, 8, 2], [300, 40, 17, 129, 2], 32), ([9, 1], [60, 33], 32),
                                          ([40, 1, 100], [300, 33, 100], 160)):
         rng = np.random.default_rng(len(q_lens))
