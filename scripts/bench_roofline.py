@@ -333,29 +333,40 @@ def _self_times(events):
             yield event, event["dur"] - nested[id(event)]
 
 
-def profile_thunks(engine, prompt: list[int], steps: int) -> dict:
-    """jax's profiler over `steps` plain decode steps: device thunks by (program, name), ms
-    per step, each named by its HLO op (opcode, shape, the jax op it came from)."""
+def trace_thunks(run) -> list[tuple[dict, float]]:
+    """jax's profiler over run(): each device thunk's trace event and its self time in us."""
     import jax
 
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            run()
+        (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as fh:
+            events = json.load(fh)["traceEvents"]
+    return list(_self_times(e for e in events if e.get("ph") == "X" and "hlo_module" in e.get("args", {})))
+
+
+def profile_thunks(engine, prompt: list[int], steps: int) -> dict:
+    """jax's profiler over `steps` plain decode steps: device thunks by (program, name), ms
+    per step, each named by its HLO op (opcode, shape, the jax op it came from). The traced
+    step's time is the steps' own under the profiler (not its start, stop and export)."""
     from paged_jax.core.request import SamplingParams
 
     assert engine.reset_prefix_cache(), "requests still hold blocks"
     engine.add_request(f"roofline-profile-{time.monotonic_ns()}", prompt,
                        SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True))
     engine.step()  # the prefill, outside the trace
-    with tempfile.TemporaryDirectory() as trace_dir:
+    traced_s = 0.0
+
+    def decode():
+        nonlocal traced_s
         t0 = time.perf_counter()
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            while engine.has_unfinished_requests():
-                engine.step()
+        while engine.has_unfinished_requests():
+            engine.step()
         traced_s = time.perf_counter() - t0
-        (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
-        with gzip.open(path) as fh:
-            events = json.load(fh)["traceEvents"]
+
     total, calls = collections.Counter(), collections.Counter()
-    for event, self_us in _self_times(e for e in events if e.get("ph") == "X"
-                                      and "hlo_module" in e.get("args", {})):  # thunks only
+    for event, self_us in trace_thunks(decode):
         key = (event["args"]["hlo_module"], event["args"].get("hlo_op", event["name"]))
         total[key] += self_us
         calls[key] += 1

@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import re
 import statistics
-import tempfile
 import time
 
 import numpy as np
 
 from _bench_common import command_line, machine_info, print_table, write_json
-from bench_roofline import MODEL, _self_times, _thunk_kind, hlo_ops
+from bench_roofline import MODEL, _thunk_kind, hlo_ops, trace_thunks
 
 
 def _llm(max_num_seqs: int, max_model_len: int):
@@ -39,21 +35,13 @@ def _llm(max_num_seqs: int, max_model_len: int):
 
 def _thunks(engine, run, steps: int) -> dict:
     """jax's profiler over run(): thunk ms per step by kind, named from the layer programs' HLO."""
-    import jax
-
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            run()
-        (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
-        with gzip.open(path) as fh:
-            events = json.load(fh)["traceEvents"]
     ops = {}
     for shape in engine.runner.compiler.shapes:
         _, layers, *_ = engine.runner._programs_for(shape)
         for program in layers:
             ops.update(hlo_ops(program.as_text()))
     kinds = collections.Counter()
-    for event, self_us in _self_times(e for e in events if e.get("ph") == "X" and "hlo_module" in e.get("args", {})):
+    for event, self_us in trace_thunks(run):
         module, name = event["args"]["hlo_module"], event["args"].get("hlo_op", event["name"])
         opcode, shape, op_name = ops.get(name, ("", "", "")) if module == "jit_layer_fn" else ("", "", "")
         kind = "head (sampling rows' logits)" if module == "jit_head_fn" else _thunk_kind(op_name, opcode, name, shape)
