@@ -636,6 +636,30 @@ void prepare_x(Work& wk) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(&wk.xq[a * kBlock + 16]), _mm512_cvtepi32_epi8(qhi));
     wk.xd[a] = d;
     wk.xqs[a] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#elif defined(__AVX2__)
+    // The same in 256-bit registers (the portable loop's nearbyint is a scalar round a value).
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(xb + 8 * j);
+    const __m256 m8 = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], absmask), _mm256_and_ps(v[1], absmask)),
+                                    _mm256_max_ps(_mm256_and_ps(v[2], absmask), _mm256_and_ps(v[3], absmask)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float d = amax / 127.0f;
+    const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+    __m256i q[4];  // rounded half to even (MXCSR's default mode), |q| <= 127
+    for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+    // int32 -> int8: the packs interleave 128-bit lanes, the permute puts the 4-byte groups back in order.
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(&wk.xq[a * kBlock]),
+                        _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+    wk.xd[a] = d;
+    wk.xqs[a] = _mm_cvtsi128_si32(s4);
 #else
     float amax = 0.0f;
     for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));

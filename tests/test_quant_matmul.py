@@ -147,6 +147,28 @@ def test_kernels_without_avx512_match_reference(flags, prefix):
             np.testing.assert_array_equal(np.asarray(y1), y)
 
 
+_BUILDS = {"native": None, "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+@pytest.mark.parametrize("build", sorted(_BUILDS))
+def test_int8_activations_round_half_to_even(build):
+    # A block whose max|x| is 127 has d = 1, so x / d is x itself: halves round to the even
+    # neighbour (llama.cpp's nearbyint), not away from zero. The weight's rows pick one input
+    # each (q8_0 of 1.0: q = 127, d = f16(1 / 127)), so y[i] is x's q[i] times ~1.
+    if shutil.which(os.environ.get("CXX", "g++")) is None or jax.default_backend() != "cpu":
+        pytest.skip("no C++ compiler, or not a CPU backend")
+    if build == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    prefix = qm._TARGET if build == "native" else f"pj_test_{build}"
+    assert qm.native_available() if build == "native" else qm.build_and_register(_BUILDS[build], prefix=prefix)
+    halves = np.arange(31, dtype=np.float32) - 15.5  # -15.5 .. 14.5
+    x = np.concatenate([halves, [127.0], -halves, [-127.0]]).astype(np.float32)[None]  # two blocks of 32
+    n = x.shape[1]
+    y = np.asarray(_matmul(x, qm.pack(np.eye(n, dtype=np.float32), "q8_0"), "q8_0", n, "int8", native=prefix))
+    np.testing.assert_allclose(y[0], np.rint(x[0]), rtol=1e-3)  # numpy's rint: half to even
+    assert y[0, 0] == pytest.approx(-16, rel=1e-3) and y[0, 16] == pytest.approx(0, abs=1e-6)  # -15.5, 0.5
+
+
 def _extreme_case(fmt):
     # Every int8 product at its largest: x's blocks are +-1 (q = +-127) with w's signs, so
     # q8_0's q is +-127 (one byte made -128 by hand) and q4_1's q is 15 (each block's one
