@@ -6,7 +6,9 @@ packed format, with exact f32 activations and (q8_0, q4_1) int8 ones (the native
 CPU; XLA's dequantize + dot on a GPU), and, with --xla-too, the XLA path on the CPU as well. Medians of --repeats runs; GB/s is the bytes of
 the weights as stored over the time.
 
-Run: .venv/bin/python scripts/bench_quant_matmul.py [--rows 1 4 16 64] [--quick]
+--cached runs every layer on one layer's weights, which stay in the caches: beside a plain run it
+says how much of a call's time is the reads. Run:
+.venv/bin/python scripts/bench_quant_matmul.py [--rows 1 4 16 64] [--cached] [--quick]
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--xla-too", action="store_true", help="also time the XLA dequantize path on a CPU")
+    parser.add_argument("--cached", action="store_true",
+                        help="every layer the same 7 weights (one layer's, 2-4 MB as stored: they stay in the "
+                             "CPU's caches), so the rows time the loops' arithmetic and the calls, not the reads")
     parser.add_argument("--quick", action="store_true", help="2 layers, rows 1 and 4, 3 repeats (a smoke run)")
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
@@ -53,15 +58,21 @@ def main() -> None:
         args.layers, args.rows, args.repeats = 2, [1, 4], 3
     rng = np.random.default_rng(0)
     shapes = LAYER * args.layers
-    dense = [jnp.asarray(rng.standard_normal((n, k), np.float32) / np.sqrt(k)) for k, n in shapes]  # [N, K]
-    packed = {fmt: [jnp.asarray(qm.pack(np.asarray(w), fmt)) for w in dense] for fmt in qm.WEIGHT_FORMATS}
+    dense = [jnp.asarray(rng.standard_normal((n, k), np.float32) / np.sqrt(k))
+             for k, n in (LAYER if args.cached else shapes)]  # [N, K]
+    if args.cached:
+        dense = dense * args.layers
+    packed = {fmt: [jnp.asarray(qm.pack(np.asarray(w), fmt)) for w in dense[:len(LAYER) if args.cached else None]]
+              for fmt in qm.WEIGHT_FORMATS}
+    if args.cached:
+        packed = {fmt: datas * args.layers for fmt, datas in packed.items()}
     native = jax.default_backend() == "cpu" and qm.native_available()
     impls = [("native" if native else "xla", qm.quant_matmul)]
     if native and args.xla_too:
         impls.append(("xla", functools.partial(qm.quant_matmul, native=None)))
     f32_weights = [w.T for w in dense]  # [K, N]: what the float model's einsum reads
     rows, result = [], {"machine": machine_info(), "command": command_line(), "backend": jax.default_backend(),
-                        "layers": args.layers, "cases": []}
+                        "layers": args.layers, "cached": args.cached, "cases": []}
     for m in args.rows:
         xs = {k: jnp.asarray(rng.standard_normal((m, k), np.float32)) for k in (D, F)}
         stack = jax.jit(lambda xs, ws: sum((xs[w.shape[0]] @ w).sum() for w in ws))
@@ -81,9 +92,10 @@ def main() -> None:
         for fmt, impl, t, nb in cases:
             rows.append([m, fmt, impl, f"{nb / 1e6:.1f}", f"{t:.2f}", f"{nb / t / 1e6:.1f}", f"{ms / t:.2f}x"])
             result["cases"].append({"rows": m, "format": fmt, "impl": impl, "bytes": nb, "ms": t})
-    print_table(f"{args.layers} SmolLM2 layers of matmuls, {jax.default_backend()} ({result['machine']['cpu']})",
+    what = "one layer's weights read" if args.cached else "layers of matmuls"
+    print_table(f"{args.layers} SmolLM2 {what}, {jax.default_backend()} ({result['machine']['cpu']})",
                 ["rows", "weights", "matmul", "MB read", "ms (median)", "GB/s", "vs f32"], rows)
-    write_json(os.path.join(args.out, "bench_quant_matmul.json"), result)
+    write_json(os.path.join(args.out, "bench_quant_matmul" + ("_cached" if args.cached else "") + ".json"), result)
 
 
 if __name__ == "__main__":
