@@ -58,14 +58,12 @@ def main() -> None:
         args.layers, args.rows, args.repeats = 2, [1, 4], 3
     rng = np.random.default_rng(0)
     shapes = LAYER * args.layers
+    # --cached: one layer's weights made, and each layer's calls handed that same list
+    repeat = args.layers if args.cached else 1
     dense = [jnp.asarray(rng.standard_normal((n, k), np.float32) / np.sqrt(k))
-             for k, n in (LAYER if args.cached else shapes)]  # [N, K]
-    if args.cached:
-        dense = dense * args.layers
-    packed = {fmt: [jnp.asarray(qm.pack(np.asarray(w), fmt)) for w in dense[:len(LAYER) if args.cached else None]]
+             for k, n in shapes[:len(shapes) // repeat]] * repeat  # [N, K]
+    packed = {fmt: [jnp.asarray(qm.pack(np.asarray(w), fmt)) for w in dense[:len(shapes) // repeat]] * repeat
               for fmt in qm.WEIGHT_FORMATS}
-    if args.cached:
-        packed = {fmt: datas * args.layers for fmt, datas in packed.items()}
     native = jax.default_backend() == "cpu" and qm.native_available()
     impls = [("native" if native else "xla", qm.quant_matmul)]
     if native and args.xla_too:
