@@ -127,17 +127,29 @@ def test_native_kernel_builds_here():
     assert qm.native_available(), "the native CPU kernel did not build; see the warning logged"
 
 
-@pytest.mark.parametrize("flags,prefix", [(("-mno-avx512f",), "pj_test_avx2"),
-                                          (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "pj_test_portable")],
-                         ids=["avx2", "portable"])
-def test_kernels_without_avx512_match_reference(flags, prefix):
-    # The loops a CPU without AVX-512 runs (AVX2's where it has them, else the portable ones),
-    # built with the rest turned off, under names of their own.
+# The kernel builds the tests run: this machine's own, and the loops a CPU without AVX-512 runs
+# (AVX2's where it has them, else the portable ones), built with the rest turned off.
+_BUILDS = {"native": None, "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+def _built(build: str) -> str:
+    """The name prefix of _BUILDS[build], built and registered now (pytest.skip where it cannot run)."""
     if shutil.which(os.environ.get("CXX", "g++")) is None or jax.default_backend() != "cpu":
         pytest.skip("no C++ compiler, or not a CPU backend")
-    if prefix == "pj_test_avx2" and "avx2" not in open("/proc/cpuinfo").read():
+    if build == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU has no AVX2")
-    assert qm.build_and_register(flags, prefix=prefix)
+    if build == "native":
+        assert qm.native_available()
+        return qm._TARGET
+    prefix = f"pj_test_{build}"
+    assert qm.build_and_register(_BUILDS[build], prefix=prefix)
+    return prefix
+
+
+@pytest.mark.parametrize("build", ["avx2", "portable"])
+def test_kernels_without_avx512_match_reference(build):
+    # The loops a CPU without AVX-512 runs, under names of their own.
+    prefix = _built(build)
     for fmt, activations in KINDS:
         for rows in (1, 5):  # one pass of r = 1; passes of 4 and 1
             x, data, _ = _case(fmt, rows, 96, 21, seed=7)
@@ -147,20 +159,12 @@ def test_kernels_without_avx512_match_reference(flags, prefix):
             np.testing.assert_array_equal(np.asarray(y1), y)
 
 
-_BUILDS = {"native": None, "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
-
-
 @pytest.mark.parametrize("build", sorted(_BUILDS))
 def test_int8_activations_round_half_to_even(build):
     # A block whose max|x| is 127 has d = 1, so x / d is x itself: halves round to the even
     # neighbour (llama.cpp's nearbyint), not away from zero. The weight's rows pick one input
     # each (q8_0 of 1.0: q = 127, d = f16(1 / 127)), so y[i] is x's q[i] times ~1.
-    if shutil.which(os.environ.get("CXX", "g++")) is None or jax.default_backend() != "cpu":
-        pytest.skip("no C++ compiler, or not a CPU backend")
-    if build == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("this CPU has no AVX2")
-    prefix = qm._TARGET if build == "native" else f"pj_test_{build}"
-    assert qm.native_available() if build == "native" else qm.build_and_register(_BUILDS[build], prefix=prefix)
+    prefix = _built(build)
     halves = np.arange(31, dtype=np.float32) - 15.5  # -15.5 .. 14.5
     x = np.concatenate([halves, [127.0], -halves, [-127.0]]).astype(np.float32)[None]  # two blocks of 32
     n = x.shape[1]
@@ -192,16 +196,9 @@ def _extreme_case(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
-@pytest.mark.parametrize("prefix", [qm._TARGET, "pj_test_avx2"], ids=["native", "avx2"])
-def test_int8_dots_at_the_extremes_do_not_saturate(fmt, prefix):
-    if shutil.which(os.environ.get("CXX", "g++")) is None or jax.default_backend() != "cpu":
-        pytest.skip("no C++ compiler, or not a CPU backend")
-    if prefix == "pj_test_avx2":
-        if "avx2" not in open("/proc/cpuinfo").read():
-            pytest.skip("this CPU has no AVX2")
-        assert qm.build_and_register(("-mno-avx512f",), prefix=prefix)
-    else:
-        assert qm.native_available()
+@pytest.mark.parametrize("build", ["native", "avx2"])
+def test_int8_dots_at_the_extremes_do_not_saturate(fmt, build):
+    prefix = _built(build)
     x, data, n = _extreme_case(fmt)
     y = np.asarray(_matmul(x, data, fmt, n, "int8", native=prefix))
     ref = qm.quant_matmul_reference(x, data, fmt, n, "int8")
