@@ -63,16 +63,75 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#if defined(__AVX512F__)
+// exp_nonpositive on 16 lanes (its steps, with the power of two applied by vscalefps).
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// exp_nonpositive on 8 lanes (its steps, the power of two built in the exponent bits).
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f),
+                                   _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+#endif
+
 // Each of `rows` rows of len scores becomes exp(score - m) in place, with m[g] its row's
 // largest score and l[g] the sum of the row's exps (softmax's numerator and denominator).
+// The exps are the SIMD steps above where built: the compiler leaves the portable loop scalar
+// (its rounding and clamp are control flow to it), ~11 cycles an exp on a Zen 1, as long as a
+// prefill row's scores took (docs/BENCHMARKS.md section 18, fourteenth pass).
 inline void exp_rows(float* scores, int64_t rows, int64_t len, float* m, float* l) {
   for (int64_t g = 0; g < rows; ++g) {
     float* p = scores + g * len;
     float mx = p[0];
     for (int64_t t = 1; t < len; ++t) mx = std::max(mx, p[t]);
     float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < len; ++t) {
+    int64_t t = 0;
+#if defined(__AVX512F__)
+    __m512 s16 = _mm512_setzero_ps();
+    for (; t + 16 <= len; t += 16) {
+      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(p + t), _mm512_set1_ps(mx)));
+      _mm512_storeu_ps(p + t, e);
+      s16 = _mm512_add_ps(s16, e);
+    }
+    sum = _mm512_reduce_add_ps(s16);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 s8 = _mm256_setzero_ps();
+    for (; t + 8 <= len; t += 8) {
+      const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(p + t), _mm256_set1_ps(mx)));
+      _mm256_storeu_ps(p + t, e);
+      s8 = _mm256_add_ps(s8, e);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, s8);
+    for (float x : lanes) sum += x;
+#endif
+    for (; t < len; ++t) {
       p[t] = exp_nonpositive(p[t] - mx);
       sum += p[t];
     }
