@@ -328,7 +328,7 @@ bool run_phase(Layer<KV>& L, int p, bool from_back) {
       bool last = false;
       for (int64_t i; (i = job.next.fetch_add(1)) < L.num_tasks;) {
         if (L.splits == 1) {
-          run_task(job, job.seqs[i / job.hkv], i % job.hkv, scores);
+          run_tile(job, i / job.hkv, i % job.hkv, scores);
         } else {  // task i: row r, KV head h, key range sp of the row's keys
           const int64_t sp = i % L.splits, rh = i / L.splits, seq = job.seqs[rh / job.hkv];
           const int64_t end = job.seq_lens[seq], first = first_key(job, end), n = end - first;
@@ -471,13 +471,15 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
     if (job.qsl[s + 1] - job.qsl[s] == 1 && job.qsl[s] < t && job.seq_lens[s] > 0) job.seqs.push_back(s);
   L->num_tasks = int64_t(job.seqs.size()) * hkv;
   // Fewer (row, KV head) tasks than a few per thread (one sequence decoding): split each
-  // one's keys in ranges of at least kSplitKeys.
+  // one's keys in ranges of at least kSplitKeys. Else a task is a (tile, KV head).
   int64_t longest = 0;
   for (int64_t seq : job.seqs) longest = std::max<int64_t>(longest, job.seq_lens[seq]);
   if (L->num_tasks > 0 && L->num_tasks < 4 * (team.num_helpers() + 1)) {
     L->splits = std::clamp<int64_t>(longest / kSplitKeys, 1, kMaxSplits);
     L->num_tasks *= L->splits;
   }
+  job.make_tiles(L->splits == 1 ? kTileRows : 1);
+  if (L->splits == 1) L->num_tasks = job.num_tiles() * hkv;
   for (int64_t i = 0; i < t; ++i) rms_norm(L->x + i * d, L->w_in, eps, d, &L->n[i * d]);
   if (L->qkv.prepare) L->qkv.prepare(L->qkv.work);
   open(*L, kQKV);

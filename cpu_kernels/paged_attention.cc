@@ -39,7 +39,8 @@ ffi::Error decode_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
     const int64_t start = job->qsl[s];
     if (job->qsl[s + 1] - start == 1 && start < num_tokens && job->seq_lens[s] > 0) job->seqs.push_back(s);
   }
-  const int64_t num_tasks = int64_t(job->seqs.size()) * hkv;
+  job->make_tiles(kTileRows);
+  const int64_t num_tasks = job->num_tiles() * hkv;
   // A task is a few microseconds per thousand keys: helpers only for more than a couple.
   // The team's helpers while one is awake, else XLA's pool (thread_team.h says why).
   auto& team = paged_jax::thread_team();

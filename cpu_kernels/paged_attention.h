@@ -13,7 +13,9 @@
 // every other row (prefill chunks, padding) is zero. Query head j reads KV head j / (Hq / Hkv).
 //
 // (sequence, KV head) tasks are split over the kernels' helper threads (thread_team.h) from an
-// atomic counter; the calling thread works too.
+// atomic counter; the calling thread works too. Where the rows are a prefill chunk's tokens,
+// one a row (paged_jax/attention/xla.py token_rows), a task takes a tile of consecutive rows
+// that reads each key once for all of them (Job::make_tiles, run_tile_avx2).
 //
 // The kernel itself, shared by paged_attention.cc (the attention's own handler) and decoder_layer.cc.
 
@@ -153,8 +155,32 @@ struct Job {
   float scale;
   int64_t window;  // keys a query sees (itself included); 0: all
   std::vector<int64_t> seqs;  // the decoding sequences
+  // Tiles of seqs: tile i is seqs[tiles[i]] .. seqs[tiles[i + 1] - 1] (make_tiles); a task
+  // is a (tile, KV head).
+  std::vector<int64_t> tiles;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
+
+  int64_t num_tiles() const { return int64_t(tiles.size()) - 1; }
+
+  // Groups seqs into tiles of up to max_rows consecutive rows that are consecutive tokens of
+  // one sequence (token rows of a prefill chunk, paged_jax/attention/xla.py token_rows): each
+  // row one position past the one before, the same pages in its block table, its output the
+  // next row of out, and the tile's first row's pages for all of its keys (rows of two
+  // sequences may join where that holds: their math is then the same). A tile reads each key
+  // once for all its rows (run_tile).
+  void make_tiles(int64_t max_rows) {
+    tiles.assign(1, 0);
+    for (size_t i = 1; i < seqs.size(); ++i) {
+      const int64_t a = seqs[i - 1], b = seqs[i], head = seqs[tiles.back()] * width;
+      const bool joins = int64_t(i) - tiles.back() < max_rows && b == a + 1 && seq_lens[b] == seq_lens[a] + 1 &&
+                         qsl[b] == qsl[a] + 1 &&
+                         std::equal(tables + head, tables + head + (seq_lens[b] + block_size - 1) / block_size,
+                                    tables + b * width);
+      if (!joins) tiles.push_back(int64_t(i));
+    }
+    if (!seqs.empty()) tiles.push_back(int64_t(seqs.size()));
+  }
 };
 
 // First key the decoding query (at position seq_len - 1) sees.
@@ -294,6 +320,14 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// The 8 sums of a[0..7]'s lanes, as one register (lane j: the sum of a[j]).
+inline __m256 sum8x8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // u0: a[0..3]'s sums of lanes 0-3, then of lanes 4-7 (u1 likewise a[4..7])
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // attend_keys on AVX2 (8 floats a register) with kG query heads per KV head and head_dim
 // 8 * kC: the scores of a key from the key held in registers, then the values kP registers of
 // each query head's output at a time (kG * kP accumulators fit the 16 registers). Like the
@@ -352,6 +386,135 @@ bool attend_keys_group(const Job<KV>& job, int64_t seq, int64_t h, int64_t k0, i
     default: return false;
   }
 }
+
+// Rows a tile takes (Job::make_tiles): the query vectors of 4 rows of a group of 3 (SmolLM2)
+// are 12, what the loops below keep in flight per key.
+constexpr int64_t kTileRows = 4;
+
+// The attention of one tile's rows (consecutive tokens of one sequence: row r of n at key end
+// end0 + r) for KV head h, normalized, with head_dim 8 * kC: each key and value is read once
+// for the tile's n * group query vectors, where a row at a time reads them once a row (a
+// prefill chunk of T tokens otherwise reads a sequence's keys T times). Keys k0 .. k1 - 1 (k0
+// the first row's first, k1 the last row's end); a row's scores outside its own keys are 0
+// after the softmax, so they add exactly nothing to its values' sum.
+template <typename KV, int kC>
+void run_tile_avx2(const Job<KV>& job, int64_t tile, int64_t h) {
+  const int64_t first_row = job.seqs[job.tiles[tile]], n = job.tiles[tile + 1] - job.tiles[tile];
+  const int64_t g_num = job.group, nq = n * g_num, dim = 8 * kC, hq = job.hkv * g_num, bs = job.block_size;
+  const int64_t end0 = job.seq_lens[first_row], k0 = first_key(job, end0), k1 = end0 + n - 1;
+  const int64_t len = k1 - k0, lp = (len + 3) / 4 * 4;  // scores rows padded to whole 4-key steps
+  const int32_t* table = job.tables + first_row * job.width;
+  thread_local std::vector<const KV*> slots;  // each key's, then each value's (the last repeats as padding)
+  thread_local std::vector<float> scores, qs;  // scores[v * lp + i]: query vector v, key k0 + i
+  slots.resize(2 * lp);
+  const KV** keys = slots.data();
+  const KV** values = keys + lp;
+  for (int64_t i = 0; i < lp; ++i) {
+    const int64_t t = k0 + std::min(i, len - 1), slot = (int64_t(table[t / bs]) * bs + t % bs) * job.hkv + h;
+    keys[i] = job.k + slot * dim;
+    values[i] = job.v + slot * dim;
+  }
+  // Query vector v = r * group + g: row r's query head h * group + g, scaled.
+  qs.resize(nq * dim + dim);  // + one spare vector: an odd count's last pair repeats it
+  for (int64_t r = 0; r < n; ++r) {
+    const float* q = job.q + (job.qsl[first_row + r] * hq + h * g_num) * dim;
+    for (int64_t j = 0; j < g_num * dim; ++j) qs[r * g_num * dim + j] = q[j] * job.scale;
+  }
+  std::copy(qs.begin() + (nq - 1) * dim, qs.begin() + nq * dim, qs.begin() + nq * dim);
+  scores.resize((nq + 1) * lp);
+  float* s = scores.data();
+  const float* qv = qs.data();
+  // Scores, 4 keys x 2 query vectors at a time: 8 registers of partial sums, 6 loads for 8 FMAs.
+  for (int64_t b = 0; b < lp; b += 4) {
+    if (b + 8 < lp)  // the step after next's keys
+      for (int j = 0; j < 4; ++j)
+        for (int64_t x = 0; x < dim * int64_t(sizeof(KV)); x += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(keys[b + 8 + j]) + x, _MM_HINT_T0);
+    const KV* kp[4] = {keys[b], keys[b + 1], keys[b + 2], keys[b + 3]};
+    for (int64_t v = 0; v < nq; v += 2) {
+      const float *q0 = qv + v * dim, *q1 = q0 + dim;
+      __m256 a[8];
+      for (int j = 0; j < 4; ++j) {
+        const __m256 kv = load8(kp[j]);
+        a[j] = _mm256_mul_ps(_mm256_loadu_ps(q0), kv);
+        a[4 + j] = _mm256_mul_ps(_mm256_loadu_ps(q1), kv);
+      }
+      for (int c = 1; c < kC; ++c) {
+        const __m256 x0 = _mm256_loadu_ps(q0 + 8 * c), x1 = _mm256_loadu_ps(q1 + 8 * c);
+        for (int j = 0; j < 4; ++j) {
+          const __m256 kv = load8(kp[j] + 8 * c);
+          a[j] = _mm256_fmadd_ps(x0, kv, a[j]);
+          a[4 + j] = _mm256_fmadd_ps(x1, kv, a[4 + j]);
+        }
+      }
+      const __m256 sums = sum8x8(a);  // vector v's 4 scores, then v + 1's
+      _mm_storeu_ps(s + v * lp + b, _mm256_castps256_ps128(sums));
+      _mm_storeu_ps(s + (v + 1) * lp + b, _mm256_extractf128_ps(sums, 1));
+    }
+  }
+  // Softmax numerators of each row's own keys; 0 elsewhere.
+  thread_local std::vector<float> stats;
+  stats.resize(2 * nq);
+  for (int64_t v = 0; v < nq; ++v) {
+    const int64_t end = end0 + v / g_num, lo = first_key(job, end) - k0, hi = end - k0;
+    float* row = s + v * lp;
+    exp_rows(row + lo, 1, hi - lo, &stats[v], &stats[nq + v]);
+    std::fill(row, row + lo, 0.0f);
+    std::fill(row + hi, row + lp, 0.0f);
+  }
+  // Values, in blocks of 64 keys (16 KB of f32 values at head_dim 64, kept in L1 across the
+  // passes), 3 query vectors x 4 registers of a head at a time.
+  constexpr int kP = 4, kV = 3;
+  static_assert(kC % kP == 0, "kP columns divide the head");
+  for (int64_t b0 = 0; b0 < lp; b0 += 64) {
+    const int64_t b1 = std::min(lp, b0 + 64);
+    for (int64_t v0 = 0; v0 < nq; v0 += kV) {
+      const int nv = int(std::min<int64_t>(kV, nq - v0));
+      for (int c0 = 0; c0 < kC; c0 += kP) {
+        __m256 acc[kV][kP];
+        float* o[kV];
+        for (int u = 0; u < kV; ++u) {
+          const int64_t v = v0 + std::min(u, nv - 1);
+          o[u] = job.out + (job.qsl[first_row + v / g_num] * hq + h * g_num + v % g_num) * dim + 8 * c0;
+          for (int c = 0; c < kP; ++c) acc[u][c] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o[u] + 8 * c);
+        }
+        const float* p[kV];
+        for (int u = 0; u < kV; ++u) p[u] = s + (v0 + std::min(u, nv - 1)) * lp;
+        for (int64_t i = b0; i < b1; ++i) {  // kV weights, kV * kP sums and a value: the 16 registers
+          __m256 w[kV];
+          for (int u = 0; u < kV; ++u) w[u] = _mm256_broadcast_ss(p[u] + i);
+          for (int c = 0; c < kP; ++c) {
+            const __m256 vv = load8(values[i] + 8 * (c0 + c));
+            for (int u = 0; u < kV; ++u) acc[u][c] = _mm256_fmadd_ps(w[u], vv, acc[u][c]);
+          }
+        }
+        // (all kV: a repeated vector's sums are its own, and a loop to nv kept acc in memory)
+        for (int u = 0; u < kV; ++u)
+          for (int c = 0; c < kP; ++c) _mm256_storeu_ps(o[u] + 8 * c, acc[u][c]);
+      }
+    }
+  }
+  for (int64_t v = 0; v < nq; ++v) {
+    float* o = job.out + (job.qsl[first_row + v / g_num] * hq + h * g_num + v % g_num) * dim;
+    const float inv = 1.0f / stats[nq + v];
+    for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
+  }
+}
+
+template <typename KV>
+bool run_tile_any(const Job<KV>& job, int64_t tile, int64_t h) {
+  if (job.dim == 64) return run_tile_avx2<KV, 8>(job, tile, h), true;
+  if (job.dim == 128) return run_tile_avx2<KV, 16>(job, tile, h), true;
+  return false;
+}
+#endif
+
+#if defined(__AVX512F__) || !defined(__AVX2__) || !defined(__FMA__)
+// Tiles of one row: the AVX-512 builds' row loops were not measured against run_tile_avx2 (the
+// tiles' gain was measured on an AVX2-only CPU, docs/BENCHMARKS.md), the portable loops have none.
+constexpr int64_t kTileRows = 1;
+template <typename KV>
+bool run_tile_any(const Job<KV>&, int64_t, int64_t) { return false; }
 #endif
 
 // attend_keys on the fastest loops this build has for the shape.
@@ -382,12 +545,19 @@ void run_task(const Job<KV>& job, int64_t seq, int64_t h, std::vector<float>& sc
   }
 }
 
+// The attention of one (tile, KV head): its rows together, or a lone row on its own.
+template <typename KV>
+void run_tile(const Job<KV>& job, int64_t tile, int64_t h, std::vector<float>& scores) {
+  if (job.tiles[tile + 1] - job.tiles[tile] > 1 && run_tile_any(job, tile, h)) return;
+  for (int64_t i = job.tiles[tile]; i < job.tiles[tile + 1]; ++i) run_task(job, job.seqs[i], h, scores);
+}
+
 template <typename KV>
 void run_tasks(Job<KV>& job) {
-  const int64_t num_tasks = int64_t(job.seqs.size()) * job.hkv;
+  const int64_t num_tasks = job.num_tiles() * job.hkv;
   thread_local std::vector<float> scores;  // grown once per thread, not per call
   for (int64_t i; (i = job.next.fetch_add(1)) < num_tasks;) {
-    run_task(job, job.seqs[i / job.hkv], i % job.hkv, scores);
+    run_tile(job, i / job.hkv, i % job.hkv, scores);
     job.done.fetch_add(1, std::memory_order_release);
   }
 }

@@ -187,6 +187,55 @@ def test_every_query_token_runs_as_a_decode_row(sliding_window, dtype, monkeypat
         np.testing.assert_allclose(native, loop, **TOLERANCE[dtype])
 
 
+def _token_rows_np(tables, seq_lens, query_start_loc, num_seqs, num_tokens):
+    """Every query token as a decode row of its own, built here from the batch (not with
+    token_rows): token j of sequence i's q_len sees keys 0 .. seq_len - q_len + j."""
+    rows, lens = np.zeros((num_tokens, tables.shape[1]), np.int32), np.zeros(num_tokens, np.int32)
+    for i in range(num_seqs):
+        q_len = query_start_loc[i + 1] - query_start_loc[i]
+        for j in range(q_len):
+            rows[query_start_loc[i] + j] = tables[i]
+            lens[query_start_loc[i] + j] = seq_lens[i] - q_len + j + 1
+    return rows, lens, np.arange(num_tokens + 1, dtype=np.int32), np.int32(query_start_loc[num_seqs])
+
+
+@needs_native
+@pytest.mark.parametrize("heads,head_dim", [((8, 1), 64), ((9, 3), 64), ((8, 8), 128), ((4, 2), 128), ((6, 2), 32)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 7, 24])
+def test_prefill_rows_in_tiles_match_the_reference(heads, head_dim, dtype, sliding_window):
+    """Prefill chunks as token rows, which the kernel runs in tiles of consecutive rows
+    (paged_attention.h make_tiles, run_tile_avx2 where built): chunks of 1 to 13 tokens, so
+    tiles are whole, partial and single; keys before each chunk's first window NaN. Two of the
+    sequences share their first page (a cached prefix): sequence 5's chunk starts one position
+    after sequence 4's ends, so their rows may share a tile only while they read the same
+    pages; sequence 5's second page is its own (sequence 4 has none there)."""
+    q_lens, seq_lens = [1, 2, 3, 5, 1, 4, 13, 9], [1, 40, 19, 70, 15, 19, 13, 100]
+    rng = np.random.default_rng(head_dim + heads[1])
+    batch = build_batch(rng, q_lens, seq_lens, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                        block_size=16, dtype=dtype, num_tokens=64, max_num_seqs=8, max_blocks_per_seq=7)
+    q, k, v, tables, lens, qsl, num_seqs = batch
+    tables = tables.copy()
+    shared = tables[5, 0]
+    tables[5, 0] = tables[4, 0]  # sequence 5's keys 0..14 are sequence 4's, its key 15 beside them
+    k, v = k.copy(), v.copy()
+    k[tables[4, 0]], v[tables[4, 0]] = k[shared], v[shared]
+    if sliding_window is not None:  # keys wholly before every row's window are NaN
+        firsts = [max(0, n - ql - sliding_window + 1) for ql, n in zip(q_lens, seq_lens)]
+        firsts[4] = firsts[5] = min(firsts[4], firsts[5])  # one page, one poisoning
+        q, k, v, tables, lens, qsl, num_seqs = _poison_before((q, k, v, tables, lens, qsl, num_seqs), firsts)
+    batch = (q, k, v, tables, lens, qsl, num_seqs)
+    rows = _token_rows_np(tables, lens, qsl, num_seqs, q.shape[0])
+    args = (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), *map(jnp.asarray, rows))
+    out = np.asarray(cpu_attention.decode_attention(*args, sm_scale=head_dim ** -0.5,
+                                                    sliding_window=sliding_window).astype(jnp.float32))
+    real = slice(0, sum(q_lens))
+    assert np.isfinite(out[real]).all()
+    np.testing.assert_allclose(out[real], attention_f64(*batch, sliding_window=sliding_window)[real],
+                               **TOLERANCE[dtype])
+    assert (out[sum(q_lens):] == 0).all()
+
+
 @needs_native
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("flags,prefix", [(("-mno-avx512f",), "pj_test_avx2_attention"),
