@@ -151,7 +151,7 @@ struct Layer {
   Matmul next_qkv;          // the next layer's q/k/v (only asked for: work below); run == nullptr: none
   Job<KV> attend;
   int64_t num_tasks = 0;
-  int64_t splits = 1;          // key ranges per (row, KV head): num_tasks = rows * hkv * splits
+  int64_t splits = 1;          // key ranges per (row, KV head); > 1 only with one-row tiles
   // Scratch in the calling thread's buffer (scratch_for): norms, projections, ..., and
   // `partial` [task][group][dim + 2], attend_keys' o, then m and l (splits > 1).
   float *n, *q, *k, *v, *a, *h, *g, *u, *act, *dn, *partial;
@@ -469,17 +469,16 @@ ffi::Error decoder_layer(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> cos,
   const int64_t rows = std::min<int64_t>(num_rows.typed_data()[0], t);
   for (int64_t s = 0; s < rows; ++s)
     if (job.qsl[s + 1] - job.qsl[s] == 1 && job.qsl[s] < t && job.seq_lens[s] > 0) job.seqs.push_back(s);
-  L->num_tasks = int64_t(job.seqs.size()) * hkv;
-  // Fewer (row, KV head) tasks than a few per thread (one sequence decoding): split each
-  // one's keys in ranges of at least kSplitKeys. Else a task is a (tile, KV head).
+  // Fewer (row, KV head) pairs than a few per thread (one sequence decoding): split each
+  // one's keys in ranges of at least kSplitKeys, a task a (row, KV head, range). Else a task
+  // is a (tile, KV head).
+  const int64_t pairs = int64_t(job.seqs.size()) * hkv;
   int64_t longest = 0;
   for (int64_t seq : job.seqs) longest = std::max<int64_t>(longest, job.seq_lens[seq]);
-  if (L->num_tasks > 0 && L->num_tasks < 4 * (team.num_helpers() + 1)) {
+  if (pairs > 0 && pairs < 4 * (team.num_helpers() + 1))
     L->splits = std::clamp<int64_t>(longest / kSplitKeys, 1, kMaxSplits);
-    L->num_tasks *= L->splits;
-  }
   job.make_tiles(L->splits == 1 ? kTileRows : 1);
-  if (L->splits == 1) L->num_tasks = job.num_tiles() * hkv;
+  L->num_tasks = job.num_tiles() * hkv * L->splits;
   for (int64_t i = 0; i < t; ++i) rms_norm(L->x + i * d, L->w_in, eps, d, &L->n[i * d]);
   if (L->qkv.prepare) L->qkv.prepare(L->qkv.work);
   open(*L, kQKV);

@@ -25,7 +25,6 @@
 
 namespace {
 
-
 void row_stats(const float* x, int64_t v, int32_t* argmax, float* lse) {
   // the max, and whether the row holds a NaN
   float mx = -INFINITY;
