@@ -118,6 +118,27 @@ inline void rms_norm(const float* x, const float* w, float eps, int64_t d, float
   for (int64_t i = 0; i < d; ++i) out[i] = (x[i] * r) * w[i];
 }
 
+// act[i] = silu(g[i]) * u[i] over n elements: silu(g) = g * sigmoid(g), the sigmoid from
+// e = exp(-|g|) <= 1 (never overflows). 8 lanes on every AVX2 build (the portable loop stays
+// scalar: ~0.3 of a ~12 ms SmolLM2 decode step on a Zen 1, one thread, against ~0.06).
+inline void silu_mul(const float* g, const float* u, int64_t n, float* act) {
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 e = exp_nonpositive8(_mm256_or_ps(x, sign));  // exp(-|x|)
+    const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, x), _mm256_add_ps(one, e));  // x < 0: e / (1 + e)
+    _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float e = exp_nonpositive(-std::fabs(g[i]));
+    const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+    act[i] = g[i] * sig * u[i];
+  }
+}
+
 // The calling thread's scratch for one layer call, reused by its next (allocating a layer's
 // ten buffers took ~2 us of its ~110). Helpers touch it only inside the call: a phase opens
 // after its inputs are written, and a helper that comes late finds no chunk left.
@@ -236,20 +257,10 @@ void finish(Layer<KV>& L, int p) {
       }
       if (L.gate_up.prepare) L.gate_up.prepare(L.gate_up.work);
       break;
-    case kGateUp: {
-      const int64_t total = t_num * L.f;
-      float* act = L.act;
-      const float *g = L.g, *u = L.u;
-#pragma omp simd
-      for (int64_t i = 0; i < total; ++i) {
-        // silu(g) = g * sigmoid(g), sigmoid from e = exp(-|g|) <= 1 (never overflows)
-        const float e = exp_nonpositive(-std::fabs(g[i]));
-        const float sig = g[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-        act[i] = g[i] * sig * u[i];
-      }
+    case kGateUp:
+      silu_mul(L.g, L.u, t_num * L.f, L.act);
       if (L.down.prepare) L.down.prepare(L.down.work);
       break;
-    }
     case kDown:
       for (int64_t i = 0; i < t_num * d; ++i) L.out[i] = L.h[i] + L.dn[i];
       break;

@@ -82,7 +82,8 @@ inline __m512 exp_nonpositive16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
-#elif defined(__AVX2__) && defined(__FMA__)
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
 // exp_nonpositive on 8 lanes (its steps, the power of two built in the exponent bits).
 inline __m256 exp_nonpositive8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
@@ -104,9 +105,10 @@ inline __m256 exp_nonpositive8(__m256 x) {
 
 // Each of `rows` rows of len scores becomes exp(score - m) in place, with m[g] its row's
 // largest score and l[g] the sum of the row's exps (softmax's numerator and denominator).
-// The exps are the SIMD steps above where built: the compiler leaves the portable loop scalar
-// (its rounding and clamp are control flow to it), ~11 cycles an exp on a Zen 1, as long as a
-// prefill row's scores took (docs/BENCHMARKS.md section 18, fourteenth pass).
+// The exps are the SIMD steps above where built: the compiler leaves a loop of the portable
+// exp scalar (its rounding and clamp are control flow to it), ~11 cycles an exp on a Zen 1, as
+// long as a prefill row's scores took (docs/BENCHMARKS.md section 18, fourteenth pass). The
+// SiLU of decoder_layer.cc and the logsumexp of row_stats.cc use them for the same reason.
 inline void exp_rows(float* scores, int64_t rows, int64_t len, float* m, float* l) {
   for (int64_t g = 0; g < rows; ++g) {
     float* p = scores + g * len;

@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "paged_attention.h"  // exp_nonpositive, exp_nonpositive16
+#include "paged_attention.h"  // exp_nonpositive, exp_nonpositive8, exp_nonpositive16
 #include "thread_team.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -74,6 +74,14 @@ void row_stats(const float* x, int64_t v, int32_t* argmax, float* lse) {
   const __m512 mx16 = _mm512_set1_ps(mx);
   for (; i + 16 <= v; i += 16) s16 = _mm512_add_ps(s16, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(x + i), mx16)));
   sum = _mm512_reduce_add_ps(s16);
+#elif defined(__AVX2__) && defined(__FMA__)
+  // (the portable loop below stays scalar: ~11 cycles an exp, paged_attention.h's exp_rows)
+  __m256 s8 = _mm256_setzero_ps();
+  const __m256 mx8 = _mm256_set1_ps(mx);
+  for (; i + 8 <= v; i += 8) s8 = _mm256_add_ps(s8, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mx8)));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, s8);
+  for (float s : lanes) sum += s;
 #endif
   for (; i < v; ++i) sum += exp_nonpositive(x[i] - mx);
   *lse = mx + std::log(sum);
