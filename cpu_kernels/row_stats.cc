@@ -40,6 +40,18 @@ void row_stats(const float* x, int64_t v, int32_t* argmax, float* lse) {
   }
   mx = _mm512_reduce_max_ps(m16);
   nan = unordered != 0;
+#elif defined(__AVX2__)
+  // (the portable loops here stay scalar too: the NaN test is control flow to the compiler)
+  __m256 m8 = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+  for (; i + 8 <= v; i += 8) {
+    const __m256 xs = _mm256_loadu_ps(x + i);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(xs, xs, _CMP_UNORD_Q));
+    m8 = _mm256_max_ps(xs, m8);  // a NaN lane keeps m8's (vmaxps returns its second operand)
+  }
+  alignas(32) float maxes[8];
+  _mm256_store_ps(maxes, m8);
+  for (float m : maxes) mx = std::max(mx, m);
+  nan = _mm256_movemask_ps(unordered) != 0;
 #endif
   for (; i < v; ++i) {
     if (std::isnan(x[i])) nan = true;
@@ -54,6 +66,14 @@ void row_stats(const float* x, int64_t v, int32_t* argmax, float* lse) {
 #if defined(__AVX512F__)
   for (const __m512 mx16 = _mm512_set1_ps(mx); first + 16 <= v; first += 16) {
     const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + first), mx16, _CMP_EQ_OQ);
+    if (hit) {
+      first += __builtin_ctz(hit);
+      break;
+    }
+  }
+#elif defined(__AVX2__)
+  for (const __m256 mx8 = _mm256_set1_ps(mx); first + 8 <= v; first += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + first), mx8, _CMP_EQ_OQ));
     if (hit) {
       first += __builtin_ctz(hit);
       break;
@@ -79,9 +99,9 @@ void row_stats(const float* x, int64_t v, int32_t* argmax, float* lse) {
   __m256 s8 = _mm256_setzero_ps();
   const __m256 mx8 = _mm256_set1_ps(mx);
   for (; i + 8 <= v; i += 8) s8 = _mm256_add_ps(s8, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mx8)));
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, s8);
-  for (float s : lanes) sum += s;
+  alignas(32) float sums[8];
+  _mm256_store_ps(sums, s8);
+  for (float s : sums) sum += s;
 #endif
   for (; i < v; ++i) sum += exp_nonpositive(x[i] - mx);
   *lse = mx + std::log(sum);

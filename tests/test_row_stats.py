@@ -1,5 +1,5 @@
 """The native argmax + log-sum-exp (cpu_kernels/row_stats.cc) against XLA's reductions
-(argmax_logsumexp_reference), on its AVX-512 loops and on a build without them."""
+(argmax_logsumexp_reference), on its AVX-512, AVX2 and portable loops."""
 
 import os
 import shutil
@@ -28,13 +28,18 @@ def _both(x, prefix="pj_argmax_logsumexp"):
     return [np.asarray(a) for a in native], [np.asarray(a) for a in reference]
 
 
-@pytest.fixture(scope="module", params=["avx512", "generic"])
+_BUILDS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+
+
+@pytest.fixture(scope="module", params=["native", *_BUILDS])
 def prefix(request):
-    if request.param == "avx512":
+    # native: this machine's loops (AVX-512 where it has them); avx2: the AVX2 machines' build;
+    # portable: the scalar loops alone
+    if request.param == "native":
         return "pj_argmax_logsumexp"
-    # -mno-avx512f: the scalar loops (the AVX2 machines' build)
-    assert row_stats.build_and_register(("-mno-avx512f",), prefix="pj_test_generic_row_stats")
-    return "pj_test_generic_row_stats"
+    prefix = f"pj_test_{request.param}_row_stats"
+    assert row_stats.build_and_register(_BUILDS[request.param], prefix=prefix)
+    return prefix
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 49152), (5, 1000), (3, 17), (2, 1), (64, 256)])
