@@ -9,6 +9,7 @@ import pytest
 
 from cpu_kernels import paged_attention as cpu_attention
 from paged_jax.attention.xla import ragged_paged_attention_xla
+from native_builds import BUILDS, skip_unless_runnable
 from test_paged_attention import TOLERANCE, attention_f64, build_batch, scenario
 
 NATIVE = jax.default_backend() == "cpu" and cpu_attention.native_available()
@@ -238,16 +239,14 @@ def test_prefill_rows_in_tiles_match_the_reference(heads, head_dim, dtype, slidi
 
 @needs_native
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("flags,prefix", [(("-mno-avx512f",), "pj_test_avx2_attention"),
-                                          (("-mno-avx512f", "-mno-avx2", "-mno-fma"), "pj_test_portable_attention")],
-                         ids=["avx2", "portable"])
-def test_loops_without_avx512_with_a_window(flags, prefix, dtype):
+@pytest.mark.parametrize("build", sorted(BUILDS))
+def test_loops_without_avx512_with_a_window(build, dtype):
     """The loops a CPU without AVX-512 runs (AVX2, or the portable ones), built under names of
     their own: on an AVX-512 machine the default build runs the other loops. Groups of 1, 3
     and 8 query heads, head_dim 64 and 128, windows that start inside a page."""
-    if "avx2" in prefix and "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("this CPU has no AVX2")
-    assert cpu_attention.build_and_register(flags, prefix=prefix)
+    skip_unless_runnable(build)
+    prefix = f"pj_test_{build}_attention"
+    assert cpu_attention.build_and_register(BUILDS[build], prefix=prefix)
     for case, (heads, head_dim) in enumerate([((8, 1), 64), ((9, 3), 64), ((8, 8), 128), ((6, 2), 32)]):
         rng = np.random.default_rng(3 + case)
         seq_lens = [1, 40, 70]

@@ -13,6 +13,7 @@ from flax import nnx
 
 from cpu_kernels import quant_matmul as qm
 from models.packed_weight import PackedWeight, pack_model, packed_formats
+from native_builds import BUILDS, skip_unless_runnable
 
 FORMATS = sorted(qm.WEIGHT_FORMATS)
 # (format, activations) pairs the kernel has
@@ -127,26 +128,25 @@ def test_native_kernel_builds_here():
     assert qm.native_available(), "the native CPU kernel did not build; see the warning logged"
 
 
-# The kernel builds the tests run: this machine's own, and the loops a CPU without AVX-512 runs
-# (AVX2's where it has them, else the portable ones), built with the rest turned off.
-_BUILDS = {"native": None, "avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
+# The kernel builds the tests run: this machine's own, and tests/native_builds.py's.
+_BUILDS = ["native", *BUILDS]
 
 
 def _built(build: str) -> str:
-    """The name prefix of _BUILDS[build], built and registered now (pytest.skip where it cannot run)."""
+    """The name prefix of build ("native" or a BUILDS key), built and registered now (pytest.skip
+    where it cannot run)."""
     if shutil.which(os.environ.get("CXX", "g++")) is None or jax.default_backend() != "cpu":
         pytest.skip("no C++ compiler, or not a CPU backend")
-    if build == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("this CPU has no AVX2")
     if build == "native":
         assert qm.native_available()
         return qm._TARGET
+    skip_unless_runnable(build)
     prefix = f"pj_test_{build}"
-    assert qm.build_and_register(_BUILDS[build], prefix=prefix)
+    assert qm.build_and_register(BUILDS[build], prefix=prefix)
     return prefix
 
 
-@pytest.mark.parametrize("build", ["avx2", "portable"])
+@pytest.mark.parametrize("build", sorted(BUILDS))
 def test_kernels_without_avx512_match_reference(build):
     # The loops a CPU without AVX-512 runs, under names of their own.
     prefix = _built(build)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels import row_stats
+from native_builds import BUILDS, skip_unless_runnable
 
 
 
@@ -28,17 +29,15 @@ def _both(x, prefix="pj_argmax_logsumexp"):
     return [np.asarray(a) for a in native], [np.asarray(a) for a in reference]
 
 
-_BUILDS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
-
-
-@pytest.fixture(scope="module", params=["native", *_BUILDS])
+@pytest.fixture(scope="module", params=["native", *BUILDS])
 def prefix(request):
     # native: this machine's loops (AVX-512 where it has them); avx2: the AVX2 machines' build;
     # portable: the scalar loops alone
     if request.param == "native":
         return "pj_argmax_logsumexp"
+    skip_unless_runnable(request.param)
     prefix = f"pj_test_{request.param}_row_stats"
-    assert row_stats.build_and_register(_BUILDS[request.param], prefix=prefix)
+    assert row_stats.build_and_register(BUILDS[request.param], prefix=prefix)
     return prefix
 
 
