@@ -13,7 +13,6 @@ from cpu_kernels import row_stats
 from native_builds import BUILDS, skip_unless_runnable
 
 
-
 @pytest.fixture(scope="module", autouse=True)
 def _native_built():
     if shutil.which(os.environ.get("CXX", "g++")) is None or jax.default_backend() != "cpu":
