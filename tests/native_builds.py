@@ -10,8 +10,12 @@ import pytest
 BUILDS = {"avx2": ("-mno-avx512f",), "portable": ("-mno-avx512f", "-mno-avx2", "-mno-fma")}
 
 
-def skip_unless_runnable(build: str) -> None:
-    """pytest.skip where this CPU cannot run BUILDS[build]'s loops (the AVX2 build on a CPU
-    without AVX2); the portable loops run anywhere."""
+def register(kernel, build: str, name: str) -> str:
+    """kernel (a cpu_kernels module with build_and_register) built as BUILDS[build] and
+    registered now; returns its name prefix (pj_test_<build>_<name>). pytest.skip where this
+    CPU cannot run the build (the AVX2 one without AVX2; the portable loops run anywhere)."""
     if build == "avx2" and "avx2" not in open("/proc/cpuinfo").read():
         pytest.skip("this CPU has no AVX2")
+    prefix = f"pj_test_{build}_{name}"
+    assert kernel.build_and_register(BUILDS[build], prefix=prefix)
+    return prefix

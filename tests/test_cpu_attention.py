@@ -9,7 +9,7 @@ import pytest
 
 from cpu_kernels import paged_attention as cpu_attention
 from paged_jax.attention.xla import ragged_paged_attention_xla
-from native_builds import BUILDS, skip_unless_runnable
+from native_builds import BUILDS, register
 from test_paged_attention import TOLERANCE, attention_f64, build_batch, scenario
 
 NATIVE = jax.default_backend() == "cpu" and cpu_attention.native_available()
@@ -244,9 +244,7 @@ def test_loops_without_avx512_with_a_window(build, dtype):
     """The loops a CPU without AVX-512 runs (AVX2, or the portable ones), built under names of
     their own: on an AVX-512 machine the default build runs the other loops. Groups of 1, 3
     and 8 query heads, head_dim 64 and 128, windows that start inside a page."""
-    skip_unless_runnable(build)
-    prefix = f"pj_test_{build}_attention"
-    assert cpu_attention.build_and_register(BUILDS[build], prefix=prefix)
+    prefix = register(cpu_attention, build, "attention")
     for case, (heads, head_dim) in enumerate([((8, 1), 64), ((9, 3), 64), ((8, 8), 128), ((6, 2), 32)]):
         rng = np.random.default_rng(3 + case)
         seq_lens = [1, 40, 70]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from cpu_kernels import decoder_layer as dl
 from cpu_kernels import quant_matmul as qm
-from native_builds import BUILDS, skip_unless_runnable
+from native_builds import BUILDS, register
 from paged_jax.runner import SHORT_QUERY_ROWS
 
 needs_native = pytest.mark.skipif(
@@ -141,9 +141,7 @@ def test_long_contexts_split_over_the_threads(lens, sliding_window, head_dim, ca
 @needs_native
 @pytest.mark.parametrize("build", sorted(BUILDS))
 def test_layer_without_avx512_matches_reference(build):
-    skip_unless_runnable(build)
-    prefix = f"pj_test_{build}_layer"
-    assert dl.build_and_register(BUILDS[build], prefix=prefix)
+    prefix = register(dl, build, "layer")
     for activations in ("float32", "int8"):
         _check(_weights(FORMAT_SETS[2], 64, seed=3), _step(5, 64, jnp.float32, seed=4), 64, activations, prefix=prefix)
     # A lone long sequence beside a short one: each task's keys split in ranges, which run these

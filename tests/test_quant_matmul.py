@@ -13,7 +13,7 @@ from flax import nnx
 
 from cpu_kernels import quant_matmul as qm
 from models.packed_weight import PackedWeight, pack_model, packed_formats
-from native_builds import BUILDS, skip_unless_runnable
+from native_builds import BUILDS, register
 
 FORMATS = sorted(qm.WEIGHT_FORMATS)
 # (format, activations) pairs the kernel has
@@ -128,10 +128,6 @@ def test_native_kernel_builds_here():
     assert qm.native_available(), "the native CPU kernel did not build; see the warning logged"
 
 
-# The kernel builds the tests run: this machine's own, and tests/native_builds.py's.
-_BUILDS = ["native", *BUILDS]
-
-
 def _built(build: str) -> str:
     """The name prefix of build ("native" or a BUILDS key), built and registered now (pytest.skip
     where it cannot run)."""
@@ -140,10 +136,7 @@ def _built(build: str) -> str:
     if build == "native":
         assert qm.native_available()
         return qm._TARGET
-    skip_unless_runnable(build)
-    prefix = f"pj_test_{build}"
-    assert qm.build_and_register(BUILDS[build], prefix=prefix)
-    return prefix
+    return register(qm, build, "quant_matmul")
 
 
 @pytest.mark.parametrize("build", sorted(BUILDS))
@@ -159,7 +152,7 @@ def test_kernels_without_avx512_match_reference(build):
             np.testing.assert_array_equal(np.asarray(y1), y)
 
 
-@pytest.mark.parametrize("build", sorted(_BUILDS))
+@pytest.mark.parametrize("build", ["native", *sorted(BUILDS)])  # this machine's own, and native_builds.py's
 def test_int8_activations_round_half_to_even(build):
     # A block whose max|x| is 127 has d = 1, so x / d is x itself: halves round to the even
     # neighbour (llama.cpp's nearbyint), not away from zero. The weight's rows pick one input

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cpu_kernels import row_stats
-from native_builds import BUILDS, skip_unless_runnable
+from native_builds import BUILDS, register
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -34,10 +34,7 @@ def prefix(request):
     # portable: the scalar loops alone
     if request.param == "native":
         return "pj_argmax_logsumexp"
-    skip_unless_runnable(request.param)
-    prefix = f"pj_test_{request.param}_row_stats"
-    assert row_stats.build_and_register(BUILDS[request.param], prefix=prefix)
-    return prefix
+    return register(row_stats, request.param, "row_stats")
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 49152), (5, 1000), (3, 17), (2, 1), (64, 256)])
