@@ -492,6 +492,14 @@ def bandwidths(lim: dict) -> dict:
             "best reduction": reduction * 1e9}
 
 
+def thunk_read(result: dict) -> tuple[float, float]:
+    """(bytes/s, fraction of the best read) at which the profiled thunks alone would read a
+    step's bytes (weights held + live KV): the kernels' rate without the step's overheads."""
+    need = result["requirements"]
+    rate = (need["weights_held"]["total"] + need["kv_live_bytes"]) / (result["profile"]["thunk_ms_per_step"] / 1e3)
+    return rate, rate / bandwidths(result["limits"])["best measured read"]
+
+
 def roofline_rows(result: dict) -> list[list]:
     need, dec, lim = result["requirements"], result["decode"], result["limits"]
     tok_s = dec["tok_per_s"]
@@ -578,8 +586,10 @@ def main(argv=None) -> int:
                 breakdown_rows(result))
     if result["profile"]:
         p = result["profile"]
+        rate, of_best = thunk_read(result)
         title = (f"device thunks under jax's profiler ({p['steps']} decode steps, bucket {tuple(p['bucket'])}; "
-                 f"thunks {p['thunk_ms_per_step']:.1f} ms a step, the traced step {p['traced_ms_per_step']:.1f} ms)")
+                 f"thunks {p['thunk_ms_per_step']:.2f} ms a step: the step's bytes at {rate / 1e9:.1f} GB/s, "
+                 f"{100 * of_best:.0f}% of the best read; the traced step {p['traced_ms_per_step']:.1f} ms)")
         print_table(title, ["kind", "ms per step", "share of thunk time"],
                     [[k, f"{ms:.2f}", f"{100 * ms / p['thunk_ms_per_step']:.0f}%"]
                      for k, ms in sorted(p["by_kind_ms_per_step"].items(), key=lambda kv: -kv[1])])
