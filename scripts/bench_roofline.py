@@ -24,7 +24,11 @@ SmolLM2-135M-Instruct (the real GGUF) beside them (issue 26).
    --new-tokens greedy tokens with ignore_eos, stepped with engine.step(); the first step is
    the prefill, every later one a decode of one token. Per run: median decode step time;
    tok/s is 1 / the median of the runs' medians. Each beside its bandwidth limits as a fraction:
-   the best measured read (the verdict), the XLA matvec, and the better reduction.
+   the best measured read (the verdict), the XLA matvec, and the better reduction. The VM's
+   bandwidth moves by up to 2x between minutes (a reduction over 512 MiB read 35-76 GB/s on
+   one Zen 5 VM), so the four reads of section 1 are measured again (--probe-reps calls each)
+   just before and just after every run, and each run's fraction is of the better of those
+   two: the paired table, whose median over the --runs runs is the verdict.
 4. Where a decode step's time goes: the same engine, its step taken apart (schedule, build,
    pack + put (device_put off the CPU), embed, each layer program, head, results to host, update), a
    block_until_ready after each program, medians over the decode steps; then jax's profiler
@@ -33,7 +37,11 @@ SmolLM2-135M-Instruct (the real GGUF) beside them (issue 26).
    each named from the compiled program's HLO (ms per step; the profiler slows the step, so
    read the shares). Synchronising after each program stops
    dispatch from overlapping execution; the sum of the parts is reported beside a plain step.
-5. What the padding costs: runner.execute of one synthetic decode (profile_step.decode_inputs)
+5. Two levers the step's remaining overhead suggests, on one decode step's own inputs
+   (step_levers): its programs compiled as one, and its input building run on a second thread
+   while the programs run (the overlap of vLLM's async scheduling), each beside the programs
+   as runner.execute calls them.
+6. What the padding costs: runner.execute of one synthetic decode (profile_step.decode_inputs)
    in the engine's decode bucket (16 tokens x 1 sequence) and in a second runner whose
    smallest token bucket is 1 (no library change: SchedulerConfig.min_token_bucket replaced).
 
@@ -88,30 +96,50 @@ def blas_info() -> dict:
     return info
 
 
-def machine_limits(*, bandwidth_bytes: int, matvec_shape: tuple[int, int], layer_f: int, min_token_bucket: int,
-                   token_rows: tuple[int, ...], matmul_n: int, reps: int) -> dict:
-    """Read bandwidth (XLA and numpy reductions, XLA and numpy matvecs) and the matmul rate."""
+class ReadProbe:
+    """The four read rates (GB/s): a jitted jnp.sum and np.add.reduce over one f32 array of
+    bandwidth_bytes, a jitted jnp.dot and np.dot over an f32 [V, D] matrix (the model's head
+    shape) and a vector; each the median of `reps` timed calls. Holds its arrays, so the same
+    reads can be measured again around each decode run (the VM's bandwidth moves between
+    minutes: section 3 of the module docstring)."""
+
+    def __init__(self, bandwidth_bytes: int, matvec_shape: tuple[int, int]):
+        import jax
+        import jax.numpy as jnp
+
+        self.bandwidth_bytes = bandwidth_bytes
+        self.host = np.random.default_rng(0).standard_normal(bandwidth_bytes // 4, dtype=np.float32)
+        self.dev = jax.device_put(self.host)
+        v, d = matvec_shape
+        self.w_host = np.random.default_rng(1).standard_normal((v, d), dtype=np.float32)
+        self.x_host = np.random.default_rng(2).standard_normal(d, dtype=np.float32)
+        self.w, self.x = jax.device_put(self.w_host), jax.device_put(self.x_host)
+        self.matvec_bytes = v * d * 4
+        self._sum, self._dot = jax.jit(jnp.sum), jax.jit(jnp.dot)
+
+    def __call__(self, reps: int) -> dict:
+        """{name}_gb_per_s and {name}_s for xla_sum, numpy_sum, xla_matvec and numpy_matvec."""
+        reads = {"xla_sum": (lambda: self._sum(self.dev).block_until_ready(), self.bandwidth_bytes),
+                 "numpy_sum": (lambda: np.add.reduce(self.host), self.bandwidth_bytes),
+                 "xla_matvec": (lambda: self._dot(self.w, self.x).block_until_ready(), self.matvec_bytes),
+                 "numpy_matvec": (lambda: np.dot(self.w_host, self.x_host), self.matvec_bytes)}
+        out = {}
+        for name, (fn, size) in reads.items():
+            s = _median_s(fn, reps)
+            out[f"{name}_gb_per_s"], out[f"{name}_s"] = size / s / 1e9, s
+        return out
+
+
+def machine_limits(probe: ReadProbe, *, layer_f: int, min_token_bucket: int, token_rows: tuple[int, ...],
+                   matmul_n: int, reps: int) -> dict:
+    """Read bandwidth (the probe's reductions and matvecs, and x @ 90 layer-sized matrices in
+    one program) and the matmul rate."""
     import jax
     import jax.numpy as jnp
 
     from bench_compute import matmul_rate
 
-    n = bandwidth_bytes // 4
-    host = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
-    dev = jax.device_put(host)
-    xla_sum = jax.jit(jnp.sum)
-    xla_sum_s = _median_s(lambda: xla_sum(dev).block_until_ready(), reps)
-    np_sum_s = _median_s(lambda: np.add.reduce(host), reps)
-    del dev
-
-    v, d = matvec_shape
-    w_host = np.random.default_rng(1).standard_normal((v, d), dtype=np.float32)
-    x_host = np.random.default_rng(2).standard_normal(d, dtype=np.float32)
-    w, x = jax.device_put(w_host), jax.device_put(x_host)
-    matvec = jax.jit(jnp.dot)
-    xla_matvec_s = _median_s(lambda: matvec(w, x).block_until_ready(), reps)
-    np_matvec_s = _median_s(lambda: np.dot(w_host, x_host), reps)
-    del w, x
+    v, d = probe.w_host.shape
     # The decode step's own matmul shapes: x[T, D] @ 90 [D, F] matrices in one program (a
     # step's layers' gate/up/down-sized weights, read once each), for one token and for the
     # engine's smallest token bucket (what one decoding sequence is padded to).
@@ -125,13 +153,9 @@ def machine_limits(*, bandwidth_bytes: int, matvec_shape: tuple[int, int], layer
     layer_bytes = 90 * d * layer_f * 4
     del layer_mats
     rate = matmul_rate(matmul_n, reps=reps)
-    w_bytes = v * d * 4
     return {
-        "bandwidth_bytes": bandwidth_bytes, "matvec_shape": [v, d], "matvec_bytes": w_bytes, "reps": reps,
-        "xla_sum_gb_per_s": bandwidth_bytes / xla_sum_s / 1e9, "xla_sum_s": xla_sum_s,
-        "numpy_sum_gb_per_s": bandwidth_bytes / np_sum_s / 1e9, "numpy_sum_s": np_sum_s,
-        "xla_matvec_gb_per_s": w_bytes / xla_matvec_s / 1e9, "xla_matvec_s": xla_matvec_s,
-        "numpy_matvec_gb_per_s": w_bytes / np_matvec_s / 1e9, "numpy_matvec_s": np_matvec_s,
+        "bandwidth_bytes": probe.bandwidth_bytes, "matvec_shape": [v, d], "matvec_bytes": probe.matvec_bytes,
+        "reps": reps, **probe(reps),
         "layer_matvec_shape": [90, d, layer_f], "layer_matvec_bytes": layer_bytes,
         "layer_matvec_gb_per_s": {str(t): layer_bytes / s / 1e9 for t, s in layer_rows.items()},
         "layer_matvec_s": {str(t): s for t, s in layer_rows.items()},
@@ -397,8 +421,9 @@ def measure(args) -> dict:
 
     quick = args.quick
     # SmolLM2's shapes (vocab 49152, hidden 576, intermediate 1536), before the model loads.
-    limits = machine_limits(bandwidth_bytes=args.bandwidth_mib * 2**20, matvec_shape=(49152, 576), layer_f=1536,
-                            min_token_bucket=MIN_TOKEN_BUCKET, token_rows=() if quick else (2, 4, 8),
+    probe = ReadProbe(args.bandwidth_mib * 2**20, (49152, 576))
+    limits = machine_limits(probe, layer_f=1536, min_token_bucket=MIN_TOKEN_BUCKET,
+                            token_rows=() if quick else (2, 4, 8),
                             matmul_n=2048 if quick else 4096, reps=args.reps)
     llm, load_s, compile_s = make_llm(args)
     engine = llm.engine
@@ -411,16 +436,20 @@ def measure(args) -> dict:
     first_run_s = time.perf_counter() - t0
 
     runs = []
-    for _ in range(args.runs):
+    for _ in range(args.runs):  # each run between two measurements of the reads (the limits)
+        before = probe(args.probe_reps)
         times = decode_run(engine, prompt, args.new_tokens)
         runs.append({"median_step_s": statistics.median(times), "mean_step_s": statistics.fmean(times),
-                     "p90_step_s": float(np.percentile(times, 90)), "steps": len(times)})
+                     "p90_step_s": float(np.percentile(times, 90)), "steps": len(times),
+                     "reads_before": before, "reads_after": probe(args.probe_reps)})
+    del probe
     step_s = statistics.median(r["median_step_s"] for r in runs)
 
     timed = TimedStep(engine)
     decode_run(engine, prompt, args.breakdown_tokens, step=timed)
     parts = {name: statistics.median(s) for name, s in timed.parts.items()}
     profile = profile_thunks(engine, prompt, args.profile_steps) if args.profile_steps else None
+    levers = step_levers(engine, prompt, rounds=2 if args.quick else 6, calls=20 if args.quick else 50)
     what_if = bucket_what_if(engine, args.context, args.runs * 8)
 
     return {"limits": limits, "requirements": need, "decode": {
@@ -433,7 +462,134 @@ def measure(args) -> dict:
         "dtype": str(engine.model.config.dtype)},
         "breakdown": {"steps": len(next(iter(timed.parts.values()))), "median_s": parts,
                       "sum_of_parts_s": sum(parts.values())},
-        "profile": profile, "decode_bucket_execute_s": what_if, "jax_backend": jax.default_backend()}
+        "profile": profile, "levers_s": levers, "decode_bucket_execute_s": what_if,
+        "jax_backend": jax.default_backend()}
+
+
+def step_levers(engine, prompt: list[int], rounds: int, calls: int) -> dict:
+    """Two levers on one real decode step's inputs (a decode of `prompt` that allocates no
+    block, so its input building can be repeated unchanged), in ms, medians over `rounds`
+    rounds of `calls` calls of each way, the ways taking turns:
+
+    - programs: the step's compiled programs back to back as runner.execute calls them
+      (embed, each layer program, head), results to numpy;
+    - one program: the same computation compiled as one program (embed, layers and head
+      traced together from the runner's own functions; the caches donated), the "fewer
+      compiled programs per step" lever;
+    - build: the step's input building alone (StepInputsBuilder.build + pack_step_inputs, the
+      largest piece of a step's host work);
+    - build, then programs: as engine.step runs them;
+    - build overlapped: the build on a second thread, started as the layer programs start, the
+      programs on this one (vLLM's async scheduling builds step N + 1 while step N runs).
+
+    The engine's request is then finished normally."""
+    import threading
+
+    import jax
+
+    from paged_jax.core.request import SamplingParams
+    from paged_jax.runner import pack_step_inputs, unpack_step_inputs
+
+    e, r = engine, engine.runner
+    assert e.reset_prefix_cache(), "requests still hold blocks"
+    e.add_request(f"levers-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=64, temperature=0.0,
+                                                                        ignore_eos=True))
+    e.step()  # the prefill
+    while True:  # a decode step that allocates no block: building it twice changes nothing
+        out = e.scheduler.schedule()
+        inputs = e.input_builder.build(out)
+        if not any(ids for per_request in out.new_block_ids for ids in per_request):
+            break
+        token_ids, logprobs = r.execute(inputs)
+        e.scheduler.update_from_output(out, token_ids, logprobs)
+    assert out.total_num_scheduled_tokens == 1 and r.mesh is None, "one decoding token, one device"
+    shape = inputs.model.token_ids.shape[0], inputs.attention.seq_lens.shape[0]
+    assert r.compiler.choose_shape(*shape) == shape, "the step's own bucket is not compiled"
+    embed, layers, head, *_ = r._programs_for(shape)
+    groups = r.layer_groups(shape[0])
+    native = r.native_step(shape[0])
+    packed = r._put(pack_step_inputs(inputs))
+    layers_started = threading.Event()
+
+    def programs():
+        x = embed(r._head_leaves, packed)
+        caches = r.pool.kv_caches
+        layers_started.set()
+        for run, tensors in enumerate(groups.tensors):
+            x, new = layers[groups.kind_of[run]](groups.leaves[run], x, [caches[t] for t in tensors], packed,
+                                                 groups.layer_inputs[run])
+            for t, cache in zip(tensors, new):
+                caches[t] = cache
+        return tuple(np.asarray(a) for a in head(r._head_leaves, x, packed))
+
+    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), inputs)
+
+    def step_fn(head_leaves, run_leaves, caches, packed, run_inputs):
+        step_inputs = unpack_step_inputs(packed, like)
+        head_params = jax.tree.unflatten(r._head_treedef, head_leaves)
+        x = r._embed_fn(head_params, step_inputs.model.token_ids)
+        caches = list(caches)
+        for run, tensors in enumerate(groups.tensors):
+            kind = groups.kind_of[run]
+            x, new = r._layer_fn(jax.tree.unflatten(groups.treedefs[kind], run_leaves[run]), x,
+                                 [caches[t] for t in tensors], step_inputs.model.positions, step_inputs.attention,
+                                 groups.kinds[kind], run_inputs[run], native)
+            for t, cache in zip(tensors, new):
+                caches[t] = cache
+        return r._head_fn(head_params, x, step_inputs), caches
+
+    one = jax.jit(step_fn, donate_argnums=(2,)).lower(
+        r._head_leaves, groups.leaves, r.pool.kv_caches, packed, groups.layer_inputs).compile()
+
+    def one_program():
+        outputs, caches = one(r._head_leaves, groups.leaves, r.pool.kv_caches, packed, groups.layer_inputs)
+        r.pool.kv_caches[:] = caches
+        return tuple(np.asarray(a) for a in outputs)
+
+    def build():
+        return pack_step_inputs(e.input_builder.build(out))
+
+    go, built, stop = threading.Event(), threading.Event(), []
+
+    def builder():  # the second thread: one build per go
+        while go.wait() and not stop:
+            go.clear()
+            layers_started.wait()
+            build()
+            built.set()
+
+    thread = threading.Thread(target=builder, daemon=True)
+    thread.start()
+
+    def overlapped():
+        layers_started.clear()
+        go.set()
+        result = programs()
+        built.wait()
+        built.clear()
+        return result
+
+    ways = {"programs": programs, "one program": one_program, "build": build,
+            "build, then programs": lambda: (build(), programs()), "build overlapped": overlapped}
+    reference = programs()
+    assert np.array_equal(one_program()[0], reference[0]), "the one program sampled another token"
+    times = collections.defaultdict(list)
+    for i in range(rounds):
+        for name, fn in (ways.items() if i % 2 == 0 else reversed(ways.items())):
+            for _ in range(3):
+                fn()
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    stop.append(True)
+    go.set()
+    thread.join()
+    token_ids, logprobs = programs()
+    e.scheduler.update_from_output(out, token_ids, logprobs)
+    while e.has_unfinished_requests():
+        e.step()
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def bucket_what_if(engine, context: int, repeats: int) -> dict:
@@ -486,7 +642,7 @@ def bandwidths(lim: dict) -> dict:
     the XLA matvec (the op a decode step's matmuls are), and the better of the two reductions
     (the measure issue 26 names; on some machines a matvec reads faster than a long sum)."""
     best = max(lim["xla_sum_gb_per_s"], lim["numpy_sum_gb_per_s"], lim["xla_matvec_gb_per_s"],
-               lim["numpy_matvec_gb_per_s"], *lim["layer_matvec_gb_per_s"].values())
+               lim["numpy_matvec_gb_per_s"], *lim.get("layer_matvec_gb_per_s", {}).values())
     reduction = max(lim["xla_sum_gb_per_s"], lim["numpy_sum_gb_per_s"])
     return {"best measured read": best * 1e9, "XLA matvec": lim["xla_matvec_gb_per_s"] * 1e9,
             "best reduction": reduction * 1e9}
@@ -517,6 +673,34 @@ def roofline_rows(result: dict) -> list[list]:
     limit = lim["matmul_flops_per_s"] / flops
     rows.append([f"FLOPs ({flops / 1e6:.0f} MFLOP a token)", "", f"matmul {lim['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s",
                  f"{limit:.0f}", f"{tok_s:.1f}", f"{100 * tok_s / limit:.1f}%"])
+    return rows
+
+
+def paired_runs(result: dict) -> list[dict]:
+    """Each decode run beside the reads measured just before and after it (ReadProbe: each
+    read's better rate of the two), the step's bytes (weights held + live KV) over its median
+    step time as a fraction of them: "best read" and "reduction" as in bandwidths."""
+    need, dec = result["requirements"], result["decode"]
+    step_bytes = need["weights_held"]["total"] + need["kv_live_bytes"]
+    out = []
+    for run in dec["runs"]:
+        before, after = run["reads_before"], run["reads_after"]
+        reads = {k: max(before[k], after[k]) for k in before if k.endswith("_gb_per_s")}
+        bw = bandwidths(reads)
+        rate = step_bytes / run["median_step_s"]
+        out.append({"tok_per_s": 1 / run["median_step_s"], "read_bytes_per_s": rate,
+                    "best_read": bw["best measured read"], "of_best_read": rate / bw["best measured read"],
+                    "reduction": bw["best reduction"], "of_reduction": rate / bw["best reduction"]})
+    return out
+
+
+def paired_rows(paired: list[dict]) -> list[list]:
+    rows = [[str(i + 1), f"{p['tok_per_s']:.1f}", _gb(p["read_bytes_per_s"]), _gb(p["best_read"]),
+             f"{100 * p['of_best_read']:.0f}%", _gb(p["reduction"]), f"{100 * p['of_reduction']:.0f}%"]
+            for i, p in enumerate(paired)]
+    rows.append(["median", f"{statistics.median(p['tok_per_s'] for p in paired):.1f}", "", "",
+                 f"{100 * statistics.median(p['of_best_read'] for p in paired):.0f}%", "",
+                 f"{100 * statistics.median(p['of_reduction'] for p in paired):.0f}%"])
     return rows
 
 
@@ -551,8 +735,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="small arrays, 32 tokens, 1 run (a smoke run)")
     parser.add_argument("--context", type=int, default=300, help="prompt tokens (the decode context)")
     parser.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per run (default 128; quick 32)")
-    parser.add_argument("--runs", type=int, default=None, help="timed decode runs (default 3; quick 1)")
+    parser.add_argument("--runs", type=int, default=None, help="timed decode runs (default 7; quick 1)")
     parser.add_argument("--reps", type=int, default=None, help="timed calls per machine limit (default 7; quick 3)")
+    parser.add_argument("--probe-reps", type=int, default=3, help="timed calls of each read before and after each "
+                        "decode run")
     parser.add_argument("--bandwidth-mib", type=int, default=None, help="array size of the read bandwidth "
                         "(default 512; quick 64)")
     parser.add_argument("--profile-steps", type=int, default=None, help="decode steps under jax's profiler "
@@ -565,7 +751,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     q = args.quick
     args.new_tokens = args.new_tokens or (32 if q else 128)
-    args.runs = args.runs or (1 if q else 3)
+    args.runs = args.runs or (1 if q else 7)
     args.reps = args.reps or (3 if q else 7)
     args.bandwidth_mib = args.bandwidth_mib or (64 if q else 512)
     args.profile_steps = (2 if q else 8) if args.profile_steps is None else args.profile_steps
@@ -580,6 +766,11 @@ def main(argv=None) -> int:
                 f"({1e3 * dec['median_step_s']:.1f} ms a token, median of {args.runs} runs of {args.new_tokens} tokens)",
                 ["bytes a step reads", "MB", "limit", "limit tok/s", "measured tok/s", "of limit"],
                 roofline_rows(result))
+    paired = result["paired_runs"] = paired_runs(result)
+    print_table("each decode run beside the reads measured just before and after it (the better of the two; "
+                "the VM's bandwidth moves between minutes)",
+                ["run", "tok/s", "step's bytes, GB/s", "best read GB/s", "of best read", "best reduction GB/s",
+                 "of reduction"], paired_rows(paired))
     print_table(f"where a decode step's time goes ({result['breakdown']['steps']} steps, medians, "
                 "block_until_ready after each program)",
                 ["part", "ms per step", "share", "MB it must read", "GB/s achieved", "ms at XLA matvec BW", "of limit"],
@@ -597,6 +788,12 @@ def main(argv=None) -> int:
                     [[t["program"], t["thunk"], f"{t['ms_per_step']:.2f}", t["calls_per_step"], t["shape"][:40],
                       t["op_name"].replace("jit(layer_fn)/", "").replace("jit(head_fn)/", "")[-60:]]
                      for t in p["top"][:15]])
+    lv = result["levers_s"]
+    serial, overlapped = (1e3 * (lv[name] - lv["programs"]) for name in ("build, then programs", "build overlapped"))
+    print_table(f"two levers on one decode step's inputs (medians): the input building adds {serial:.3f} ms to the "
+                f"programs run after it, {overlapped:.3f} ms run beside them on a second thread",
+                ["how the step runs", "ms", "vs the programs"],
+                [[name, f"{1e3 * s:.3f}", f"{s / lv['programs']:.3f}"] for name, s in lv.items()])
     wi = result["decode_bucket_execute_s"]
     print_table("one synthetic decode, runner.execute alone (median), by the token bucket it is padded to",
                 ["bucket (tokens x seqs)", "ms", "tok/s"], [[b, f"{1e3 * s:.1f}", f"{1 / s:.1f}"] for b, s in wi.items()])
