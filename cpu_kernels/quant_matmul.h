@@ -75,10 +75,16 @@ enum Acts { kF32 = 0, kI8 = 1 };
 
 constexpr int64_t tile_block_bytes(int format) { return format == kQ8_0 ? 544 : 320; }
 
-// Asks for the bytes of the tile block kPrefetchBytes past p (one request a cache line).
+// Asks for the bytes of the tile block kPrefetchBytes past p (one request a cache line), as
+// non-temporal: a decode step streams every weight once (~100 MB for SmolLM2 against a 32 MB
+// L3), and lines asked for at T0 went on into the L3 as they left the L2, pushing out what the
+// step reads again (the KV pages, the activations, the host's own working set). With NTA,
+// single-stream decode of SmolLM2 int8 on a Zen 5 was 1.21x (1-token context) and 1.09x
+// (300 tokens) faster, greedy tokens unchanged (docs/BENCHMARKS.md section 18, seventeenth pass).
 template <int64_t kBytes>
 inline void prefetch_ahead(const uint8_t* p) {
-  for (int64_t j = 0; j < kBytes; j += 64) _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + j, _MM_HINT_T0);
+  for (int64_t j = 0; j < kBytes; j += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes + j, _MM_HINT_NTA);
 }
 
 inline float f16_to_f32(const uint8_t* p) {
