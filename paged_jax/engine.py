@@ -302,12 +302,18 @@ class LLMEngine:
             scheduler_output, inputs.attention.seq_lens.shape[0],
             1 if spec is None else self.spec_config.num_speculative_tokens + 1, self.runner.vocab_size,
             self.runner.history_width, self.structured_output.fill_bitmask)
+        num_steps, num_accepted = 1, None
         if spec is None:
-            token_ids, logprobs = self.runner.execute(inputs, copies, processing=processing)
-            num_accepted = None
+            outputs = None
+            if scheduler_output.num_steps > 1 and copies is None and processing is None:
+                outputs = self.runner.execute_steps(
+                    inputs, self.input_builder.step_slot_mappings(inputs, scheduler_output.num_steps))
+                num_steps = 1 if outputs is None else scheduler_output.num_steps
+            token_ids, logprobs = outputs or self.runner.execute(inputs, copies, processing=processing)
         else:
             token_ids, logprobs, num_accepted = self.runner.execute(inputs, copies, spec, processing)
-        core_outputs = self.scheduler.update_from_output(scheduler_output, token_ids, logprobs, num_accepted)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, token_ids, logprobs, num_accepted,
+                                                         num_steps)
         if len(self.structured_output):
             for core in core_outputs:  # the matchers move past what each request kept
                 self.structured_output.accept(core.request_id, core.new_token_ids)

@@ -110,6 +110,10 @@ class EngineConfig:
     layers_per_program: int | None = knob(None, "decoder layers per compiled program (default: up to 6, fast "
                                           "start-up); the layer count compiles the whole stack as one program, "
                                           "for the fastest steps")
+    num_scheduler_steps: int = knob(1, "decode steps one engine step runs on the device while every running "
+                                    "request decodes and none waits (vLLM V0's multi-step scheduling): the host "
+                                    "work and program calls of a step are paid once per this many tokens; "
+                                    "tokens stream this many at a time (1: off)")
     # jax's asynchronous dispatch on the CPU (jax_cpu_enable_async_dispatch): process-wide and
     # read when jax creates its CPU client, so the engine sets it only while no client exists
     # (set_cpu_dispatch in engine.py); a client already made keeps its mode.
@@ -215,6 +219,7 @@ class EngineConfig:
         check_int("data_parallel_size", self.data_parallel_size, 1, "1 runs one engine")
         if self.layers_per_program is not None:
             check_int("layers_per_program", self.layers_per_program, 1, "or None to let the runner choose")
+        check_int("num_scheduler_steps", self.num_scheduler_steps, 1, "1 runs one step a call")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.attention_impl not in (None, *ATTENTION_IMPLS):
@@ -226,6 +231,10 @@ class EngineConfig:
         object.__setattr__(self, "spec_config", spec)
         if isinstance(self.speculative_config, dict):  # the config stays hashable like its other fields
             object.__setattr__(self, "speculative_config", json.dumps(self.speculative_config, sort_keys=True))
+        if spec is not None and self.num_scheduler_steps > 1:
+            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps} with speculative_config: a "
+                             "verification step needs the host between steps; use num_scheduler_steps=1 or no "
+                             "speculative_config")
         if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config method='draft_model' with tensor_parallel_size="
                              f"{self.tensor_parallel_size}: a draft model runs on one device in this engine; use "
@@ -322,7 +331,8 @@ class EngineConfig:
         k = 0 if self.spec_config is None else self.spec_config.num_speculative_tokens
         scheduler = SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, max_model_len,
                                     self.long_prefill_token_threshold, preemption_mode=self.preemption_mode,
-                                    num_spec_tokens=k, num_lookahead_tokens=0 if draft_model is None else k)
+                                    num_spec_tokens=k, num_lookahead_tokens=0 if draft_model is None else k,
+                                    num_scheduler_steps=self.num_scheduler_steps)
         num_blocks = num_blocks_for_budget(
             specs, self.block_size, groups=groups, num_blocks=self.num_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes, gpu_memory_utilization=self.gpu_memory_utilization,

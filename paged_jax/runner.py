@@ -117,6 +117,26 @@ class LayerGroups(NamedTuple):
                     for i in starts])
 
 
+class BucketPrograms(NamedTuple):
+    """The compiled programs of one bucket (ModelRunner._compile): None where unused.
+
+    layers: one program per kind of run (layer_groups); spec_head, head_processed,
+    spec_head_processed: the heads of verification steps and of steps with logits
+    processing; long_layers: the XLA layers of a bucket whose short-query steps run native
+    ones but whose other steps do not (native_step); steps: num_scheduler_steps decode steps
+    in one program, in a bucket a decode-only step lands in (execute_steps).
+    """
+
+    embed: object
+    layers: tuple
+    head: object
+    spec_head: object = None
+    head_processed: object = None
+    spec_head_processed: object = None
+    long_layers: tuple | None = None
+    steps: object = None
+
+
 def pack_step_inputs(inputs: StepInputs) -> np.ndarray:
     """The step's arrays back to back as one i32 vector (f32 and u32 fields bit for bit)."""
     return np.concatenate([np.ascontiguousarray(a).view(np.int32).ravel() for a in jax.tree.leaves(inputs)])
@@ -236,6 +256,11 @@ class ModelRunner:
                 for layer, t in zip(model.layers, layer_tensor)):
             self._native_groups = self._groups if layers_per_program == num_layers else groups(num_layers)
         self.num_steps = 0
+        self.num_scheduler_steps = scheduler_config.num_scheduler_steps
+        # The buckets a decode-only step lands in (one token a sequence): those get the
+        # program of num_scheduler_steps steps.
+        self._decode_shapes = {scheduler_config.bucket_for(n, n) for n in range(1, scheduler_config.max_num_seqs + 1)
+                               if n <= scheduler_config.max_num_batched_tokens}
         spec_config = engine.spec_config
         self.num_spec_tokens = 0 if spec_config is None else spec_config.num_speculative_tokens
         # Heads that apply grammar masks and penalties (a draft model's runner has no use for them).
@@ -392,15 +417,11 @@ class ModelRunner:
                                   num_draft_tokens=np.zeros(num_seqs, np.int32),
                                   logits_indices=np.zeros((num_seqs, k + 1), np.int32))
 
-    def _compile(self, num_tokens: int, num_seqs: int) -> tuple:
-        """Lowers and compiles the three programs of one bucket (from shapes only, so the
-        warm-up thread never touches the live, donated caches). Each takes the step's packed
-        inputs and unpacks what it reads. On a mesh every argument carries its sharding
-        (weights and caches their own, the packed inputs replicated) and the outputs are pinned.
-        Returns (embed, layers, head, spec_head, head_processed, spec_head_processed,
-        long_layers): layers one program per kind of run (layer_groups), the head variants None
-        where unused, long_layers the XLA layers of a bucket whose short-query steps run native
-        ones but whose other steps do not (native_step), else None."""
+    def _compile(self, num_tokens: int, num_seqs: int) -> BucketPrograms:
+        """Lowers and compiles the programs of one bucket (from shapes only, so the warm-up
+        thread never touches the live, donated caches). Each takes the step's packed inputs
+        and unpacks what it reads. On a mesh every argument carries its sharding (weights and
+        caches their own, the packed inputs replicated) and the outputs are pinned."""
         abstract = lambda tree: jax.tree.map(  # noqa: E731
             lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self._sharding(a)), tree)
         like = abstract(self.dummy_inputs(num_tokens, num_seqs))
@@ -486,10 +507,81 @@ class ModelRunner:
 
                 spec_head_processed = self._jit(spec_head_processed_fn, (rep, rep, rep)).lower(
                     head_params, x, packed, spec_packed, packed_like(spec_proc_like)).compile()
-        return embed, layers, head, spec_head, head_processed, spec_head_processed, long_layers
+        steps = None
+        if self.num_scheduler_steps > 1 and self.mesh is None and (num_tokens, num_seqs) in self._decode_shapes:
+            steps = self._compile_steps(num_tokens, like, packed, head_params_of, abstract)
+        return BucketPrograms(embed, layers, head, spec_head, head_processed, spec_head_processed, long_layers, steps)
 
-    def _programs_for(self, shape: tuple[int, int]) -> tuple:
+    def _compile_steps(self, num_tokens: int, like: StepInputs, packed, head_params_of, abstract):
+        """num_scheduler_steps decode steps as one program (execute_steps): each step embeds
+        the tokens the one before sampled, runs the layers at positions + i with step i's slot
+        mapping and its sequences one key longer, and samples with each sequence's output
+        number + i (so a seeded draw is the one the steps would make one at a time)."""
+        k = self.num_scheduler_steps
+        groups = self.layer_groups(num_tokens)
+        native = self.native_step(num_tokens)
+        used = sorted({t for tensors in groups.tensors for t in tensors})  # the caches the layers write
+
+        def steps_fn(head_leaves, run_leaves, kv_caches, packed, run_inputs, slots):
+            inputs = unpack_step_inputs(packed, like)
+            head_params = head_params_of(head_leaves)
+            model, attention, sampling = inputs.model, inputs.attention, inputs.sampling
+            real = attention.seq_lens > 0
+            rows = jnp.where(real, model.logits_indices, num_tokens)  # each sequence's token row (padding: none)
+            caches = dict(zip(used, kv_caches))
+            token_ids, sampled, logprobs = model.token_ids, [], []
+            for i in range(k):
+                step = inputs._replace(
+                    model=model._replace(token_ids=token_ids, positions=model.positions + i),
+                    attention=attention._replace(slot_mapping=slots[i],
+                                                 seq_lens=jnp.where(real, attention.seq_lens + i, 0)),
+                    sampling=sampling._replace(rng_keys=sampling.rng_keys.at[:, 1].add(
+                        jnp.where(real, i, 0).astype(sampling.rng_keys.dtype))))
+                x = self._embed_fn(head_params, token_ids)
+                for run, tensors in enumerate(groups.tensors):
+                    kind = groups.kind_of[run]
+                    x, new = self._layer_fn(jax.tree.unflatten(groups.treedefs[kind], run_leaves[run]), x,
+                                            [caches[t] for t in tensors], step.model.positions, step.attention,
+                                            groups.kinds[kind], run_inputs[run], native)
+                    caches.update(zip(tensors, new))
+                ids, lps = self._head_fn(head_params, x, step)
+                sampled.append(ids)
+                logprobs.append(lps)
+                token_ids = jnp.zeros_like(token_ids).at[rows].set(ids, mode="drop")
+            return jnp.stack(sampled, axis=1), jnp.stack(logprobs, axis=1), [caches[t] for t in used]
+
+        slots = jax.ShapeDtypeStruct((k, self.cache_config.num_kv_cache_groups, num_tokens), np.int32)
+        program = self._jit(steps_fn, None, donate_argnums=(2,)).lower(
+            abstract(self._head_leaves), [abstract(leaves) for leaves in groups.leaves],
+            [self.pool.abstract_caches[t] for t in used], packed, [abstract(li) for li in groups.layer_inputs],
+            slots).compile()
+        return program, used
+
+    def _programs_for(self, shape: tuple[int, int]) -> BucketPrograms:
         return self.compiler.programs_for(shape)
+
+    def execute_steps(self, inputs: StepInputs, slot_mappings: np.ndarray) -> tuple | None:
+        """Runs num_scheduler_steps decode steps of a decode-only step (SchedulerOutput.num_steps)
+        in one program: returns (token ids i32[S, k], their logprobs f32[S, k]) on the host,
+        row i sequence i's tokens in order, or None where its bucket has no such program (a
+        step padded into another bucket while buckets compile, a mesh): run execute then.
+        slot_mappings: i32[k, groups, T], StepInputsBuilder.step_slot_mappings."""
+        shape = inputs.model.token_ids.shape[0], inputs.attention.seq_lens.shape[0]
+        if self.compiler.choose_shape(*shape) != shape:
+            return None
+        program = self._programs_for(shape).steps
+        if program is None:
+            return None
+        program, used = program
+        groups = self.layer_groups(shape[0])
+        kv_caches = self.pool.kv_caches
+        token_ids, logprobs, caches = program(self._head_leaves, groups.leaves, [kv_caches[t] for t in used],
+                                              self._put(pack_step_inputs(inputs)), groups.layer_inputs,
+                                              slot_mappings)
+        for t, cache in zip(used, caches):
+            kv_caches[t] = cache
+        self.num_steps += self.num_scheduler_steps
+        return np.asarray(token_ids), np.asarray(logprobs)
 
     def execute(self, inputs: StepInputs, copies=None, spec: SpecDecodeMetadata | None = None,
                 processing: LogitsProcessingMetadata | None = None) -> tuple:
@@ -525,7 +617,8 @@ class ModelRunner:
             if processing is not None:  # padded sequences change nothing
                 processing = pad_processing(processing, self.dummy_processing(
                     run_shape[1] - shape[1], 1 if spec is None else self.num_spec_tokens + 1))
-        embed, layers, head, spec_head, head_processed, spec_head_processed, long_layers = self._programs_for(run_shape)
+        embed, layers, head, spec_head, head_processed, spec_head_processed, long_layers, _ = self._programs_for(
+            run_shape)
         max_query_len = 1
         if long_layers is not None:  # the bucket's layers for the step's longest query (native_step)
             qsl = inputs.attention.query_start_loc

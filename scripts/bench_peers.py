@@ -202,10 +202,10 @@ class Server:
                    "-c", str(SLOTS * SLOT_CTX), "--port", str(self.port), "--no-webui"]
             env = None
         else:
-            weight_dtype, activation_dtype, kv_cache_dtype = parse_variant(engine)
+            weight_dtype, activation_dtype, kv_cache_dtype, steps = parse_variant(engine)
             cmd = [sys.executable, "-m", "paged_jax", "serve", "--model", gguf, "--served-model-name", "smollm2",
                    "--port", str(self.port), "--weight-dtype", weight_dtype, "--activation-dtype", activation_dtype,
-                   "--kv-cache-dtype", kv_cache_dtype,
+                   "--kv-cache-dtype", kv_cache_dtype, "--num-scheduler-steps", str(steps),
                    "--max-num-seqs", str(SLOTS), "--max-model-len", "2048", "--max-num-batched-tokens", "512"]
             env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
         import tempfile
@@ -318,12 +318,15 @@ def serving(args, gguf: str, llama_dir: str, threads: int, vocab: int) -> dict:
     return result
 
 
-def parse_variant(variant: str) -> tuple[str, str, str]:
-    """(weight_dtype, activation_dtype, kv_cache_dtype) of "WEIGHT_DTYPE[:ACTIVATION_DTYPE[:KV_CACHE_DTYPE]]",
-    e.g. "auto" (the GGUF's blocks, exact activations, an f32 KV cache), "auto:int8" (int8
-    activations, as llama.cpp) or "auto:int8:bfloat16" (and bf16 KV pages; llama.cpp's are f16)."""
+def parse_variant(variant: str) -> tuple[str, str, str, int]:
+    """(weight_dtype, activation_dtype, kv_cache_dtype, num_scheduler_steps) of
+    "WEIGHT_DTYPE[:ACTIVATION_DTYPE[:KV_CACHE_DTYPE]][@STEPS]", e.g. "auto" (the GGUF's blocks,
+    exact activations, an f32 KV cache), "auto:int8" (int8 activations, as llama.cpp),
+    "auto:int8:bfloat16" (and bf16 KV pages; llama.cpp's are f16) or "auto:int8@8" (8 decode
+    steps an engine step, LLM(num_scheduler_steps=8))."""
+    variant, _, steps = variant.partition("@")
     weight_dtype, activation_dtype, kv_cache_dtype = (variant.split(":") + ["", ""])[:3]
-    return weight_dtype, activation_dtype or "float32", kv_cache_dtype or "auto"
+    return weight_dtype, activation_dtype or "float32", kv_cache_dtype or "auto", int(steps or 1)
 
 
 class PagedJax:
@@ -331,10 +334,10 @@ class PagedJax:
         """variant: parse_variant's."""
         from paged_jax import LLM, SamplingParams
 
-        weight_dtype, activation_dtype, kv_cache_dtype = parse_variant(variant)
+        weight_dtype, activation_dtype, kv_cache_dtype, steps = parse_variant(variant)
         self.params = SamplingParams
         self.llm = LLM(gguf, weight_dtype=weight_dtype, activation_dtype=activation_dtype,
-                       kv_cache_dtype=kv_cache_dtype, max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=512,
+                       kv_cache_dtype=kv_cache_dtype, num_scheduler_steps=steps, max_model_len=1024, max_num_seqs=1, max_num_batched_tokens=512,
                        warm_up="full")
 
     def run(self, prompt_ids: list[int], max_tokens: int) -> dict:

@@ -211,7 +211,7 @@ def make_llm(args):
     # decode's; or loaded from the persistent compilation cache). A bucket not compiled would
     # make the step run in a larger compiled one (CompileManager.choose_shape).
     llm = LLM(MODEL, max_num_seqs=1, max_model_len=args.max_model_len, warm_up="none",
-              activation_dtype=args.activation_dtype)
+              activation_dtype=args.activation_dtype, num_scheduler_steps=args.num_scheduler_steps)
     load_s = time.perf_counter() - t0
     runner, buckets = llm.engine.runner, llm.engine.scheduler_config.token_buckets
     for num_tokens in (buckets[0], next(b for b in buckets if b >= args.context)):
@@ -220,7 +220,8 @@ def make_llm(args):
 
 
 def decode_run(engine, prompt: list[int], new_tokens: int, step=None) -> list[float]:
-    """One request to completion with engine.step (or `step`); seconds of each step after the first."""
+    """One request to completion with engine.step (or `step`); seconds of each decoded token
+    after the first (a step that decodes k tokens, num_scheduler_steps, counts k of its time / k)."""
     from paged_jax.core.request import SamplingParams
 
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
@@ -228,14 +229,16 @@ def decode_run(engine, prompt: list[int], new_tokens: int, step=None) -> list[fl
     engine.add_request(f"roofline-{time.monotonic_ns()}", prompt, params)
     step = step or engine.step
     times = []
-    first = True
+    done = 0  # the request's tokens so far (its RequestOutput's are cumulative)
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
-        step()
-        if not first:
-            times.append(time.perf_counter() - t0)
-        first = False
-    assert len(times) == new_tokens - 1, f"expected {new_tokens - 1} decode steps, got {len(times)}"
+        outputs = step()
+        seconds = time.perf_counter() - t0
+        tokens = len(outputs[0].token_ids) - done if outputs else 0
+        if done:
+            times += [seconds / tokens] * tokens
+        done += tokens
+    assert len(times) == new_tokens - 1, f"expected {new_tokens - 1} decoded tokens, got {len(times)}"
     return times
 
 
@@ -399,6 +402,9 @@ def profile_thunks(engine, prompt: list[int], steps: int) -> dict:
     shape = engine.runner.compiler.shapes[0]
     embed, layers, head, *_ = engine.runner._programs_for(shape)
     texts = {"jit_embed_fn": embed.as_text(), "jit_head_fn": head.as_text(), "jit_layer_fn": layers[0].as_text()}
+    steps_program = engine.runner._programs_for(shape).steps
+    if steps_program is not None:  # num_scheduler_steps > 1: the decode runs as one program of k steps
+        texts["jit_steps_fn"] = steps_program[0].as_text()
     ops = {module: hlo_ops(text) for module, text in texts.items()}
     top, kinds, per_module = [], collections.Counter(), collections.Counter()
     for (module, name), us in total.most_common():
@@ -747,6 +753,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--activation-dtype", default="float32", choices=("float32", "int8"),
                         help="the packed matmuls' activations (LLM(activation_dtype=...))")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps an engine step runs "
+                        "(LLM(num_scheduler_steps=...)); the decode runs' figures are per token")
     parser.add_argument("--out", default=None, help="default: results/bench_roofline[_quick].json")
     args = parser.parse_args(argv)
     q = args.quick

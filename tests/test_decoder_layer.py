@@ -229,11 +229,12 @@ def test_engine_runs_small_buckets_as_one_call_per_layer_in_place(kv_cache_dtype
         return execute(inputs, *args, **kwargs)
 
     def spying_programs_for(shape):
-        *programs, long_layers = programs_for(shape)
-        if long_layers is not None:
-            step = len(longest) - 1
-            long_layers = tuple((lambda p: lambda *a: ran_long.add(step) or p(*a))(p) for p in long_layers)
-        return (*programs, long_layers)
+        programs = programs_for(shape)
+        if programs.long_layers is None:
+            return programs
+        step = len(longest) - 1
+        return programs._replace(long_layers=tuple((lambda p: lambda *a: ran_long.add(step) or p(*a))(p)
+                                                   for p in programs.long_layers))
 
     monkeypatch.setattr(runner, "execute", noting_execute)
     monkeypatch.setattr(runner, "_programs_for", spying_programs_for)
@@ -250,12 +251,12 @@ def test_engine_runs_small_buckets_as_one_call_per_layer_in_place(kv_cache_dtype
     assert memory.alias_size_in_bytes >= cache_bytes and memory.temp_size_in_bytes < cache_bytes / num_layers
     big = max(shape for shape in runner.bucket_shapes() if shape[0] > SHORT_QUERY_ROWS)
     assert big[0] <= dl.MAX_TOKENS, "the test needs a bucket with both layer sets"
-    *_, long_layers = programs_for(big)  # the programs themselves, not the spies
+    long_layers = programs_for(big).long_layers  # the programs themselves, not the spies
     assert runner.layer_groups(big[0]).size == num_layers
     assert runner._programs_for(big)[1][0].as_text().count("pj_decoder_layer") == num_layers
     assert runner.layer_groups(big[0], SHORT_QUERY_ROWS + 1).size == runner.layers_per_program
     assert "pj_decoder_layer" not in long_layers[0].as_text()
-    assert runner._programs_for((1, 1))[-1] is None, "a bucket of short queries only has no XLA layers"
+    assert runner._programs_for((1, 1)).long_layers is None, "a bucket of short queries only has no XLA layers"
     model = llm.engine.model
     if kv_cache_dtype == "bfloat16":
         assert runner.kv_caches[0][0].dtype == jnp.bfloat16

@@ -176,6 +176,23 @@ class StepInputsBuilder:
         return SpecDecodeMetadata(draft_token_ids=drafts, num_draft_tokens=num_drafts,
                                   logits_indices=logits_indices.astype(np.int32))
 
+    def step_slot_mappings(self, inputs: StepInputs, num_steps: int) -> np.ndarray:
+        """i32[num_steps, groups, T]: the slot mapping of each of num_steps decode steps from
+        a decode-only step's inputs (SchedulerOutput.num_steps): step i writes each
+        sequence's KV at its position + i, in the blocks its table holds for them (the
+        scheduler reserved them); padding rows write slot 0, in the null block."""
+        attention, positions = inputs.attention, inputs.model.positions
+        num_seqs = int(attention.num_seqs[0])
+        assert np.array_equal(attention.query_start_loc[: num_seqs + 1], np.arange(num_seqs + 1)), \
+            "several steps run only a step whose sequences decode one token each"
+        steps = positions[:num_seqs][:, None] + np.arange(num_steps, dtype=np.int32)  # [n, K]
+        tables = attention.block_tables[:, :num_seqs]  # [G, n, W]
+        index = np.broadcast_to((steps // self.block_size)[None], (tables.shape[0], *steps.shape))
+        blocks = np.take_along_axis(tables, index, axis=2)  # [G, n, K]
+        slots = np.zeros((num_steps, tables.shape[0], positions.shape[0]), np.int32)
+        slots[:, :, :num_seqs] = (blocks * self.block_size + steps % self.block_size).transpose(2, 0, 1)
+        return slots
+
     def draft_inputs(self, request_ids, token_lists, starts, scheduler_config: SchedulerConfig) -> StepInputs:
         """Greedy inputs of a draft model's pass over live rows (their block tables as the last
         build() left them): sequence i computes token_lists[i] at positions starts[i] on and

@@ -180,6 +180,10 @@ class SchedulerConfig:
       num_lookahead_tokens: slots reserved past every request's scheduled tokens (vLLM's
         num_lookahead_tokens): a draft model writes its KV for its next proposals there within
         the step (its k; 0 without a draft model). Capped at max_model_len, never cached.
+      num_scheduler_steps: decode steps one engine step may run on the device (vLLM V0's
+        multi-step scheduling): when every running request is decoding and none waits, the
+        scheduler reserves num_scheduler_steps - 1 slots past each one's token and the runner
+        feeds each step's sampled token to the next within one program (1: off).
     """
 
     max_num_seqs: int
@@ -191,6 +195,7 @@ class SchedulerConfig:
     preemption_mode: str = "recompute"
     num_spec_tokens: int = 0
     num_lookahead_tokens: int = 0
+    num_scheduler_steps: int = 1
 
     def __post_init__(self):
         check_int("max_num_seqs", self.max_num_seqs, 1)
@@ -203,6 +208,10 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} must be 'recompute' or 'swap'")
         check_int("num_spec_tokens", self.num_spec_tokens, 0, "0 without speculative decoding")
         check_int("num_lookahead_tokens", self.num_lookahead_tokens, 0, "0 without a draft model")
+        check_int("num_scheduler_steps", self.num_scheduler_steps, 1, "1 runs one step a call")
+        if self.num_scheduler_steps > 1 and (self.num_spec_tokens or self.num_lookahead_tokens):
+            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps} with speculative decoding: a "
+                             "verification step needs the host between steps; use one or the other")
 
     @property
     def token_buckets(self) -> list[int]:

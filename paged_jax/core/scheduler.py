@@ -43,6 +43,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from paged_jax.core.batch import needs_logits_processing
 from paged_jax.core.config import SchedulerConfig
 from paged_jax.core.kv_cache_manager import KVCacheManager
 from paged_jax.core.request import Request, RequestStatus
@@ -66,6 +67,10 @@ class SchedulerOutput:
       finished_req_ids: requests finished or aborted since the previous schedule().
       spec_token_ids: per request, the proposals scheduled after its last token (the last
         len(...) of its num_scheduled_tokens); empty for most.
+      num_steps: decode steps the step may run (SchedulerConfig.num_scheduler_steps, when
+        every scheduled request decodes one token and none waits; else 1): each request
+        holds slots for num_steps - 1 tokens past its own, and update_from_output takes up
+        to num_steps tokens a request.
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -78,6 +83,7 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     spec_token_ids: list[list[int]] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
+    num_steps: int = 1
 
     @property
     def num_seqs(self) -> int:
@@ -169,6 +175,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         threshold = self.long_prefill_token_threshold
 
+        # Several decode steps in one (multi-step scheduling): only when every running request
+        # decodes and nobody waits, so that no arrival waits for a window longer than a step.
+        num_steps = self.config.num_scheduler_steps
+        if num_steps > 1 and (self.waiting or not self.running
+                              or not all(self._can_take_steps(r, num_steps) for r in self.running)):
+            num_steps = 1
+
         # running requests first
         i = 0
         while i < len(self.running) and budget > 0:
@@ -183,6 +196,7 @@ class Scheduler:
                 room = min(budget - num_new, self.max_model_len - request.num_tokens) if num_new == 1 else 0
                 spec = spec[:room] if room < len(spec) else spec
             lookahead = len(spec) + self._draft_lookahead(request.num_computed_tokens + num_new + len(spec))
+            lookahead += num_steps - 1
             while (new_blocks := kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)) is None:
                 victim = self.running.pop()  # the most recently admitted; never one already scheduled
                 self._preempt(victim)
@@ -235,6 +249,7 @@ class Scheduler:
             if prompt_left > 0:
                 self.num_prompt_tokens_computed += min(prompt_left, num_tokens)
             request.num_computed_tokens += num_tokens
+        out.num_steps = num_steps
         self.num_steps += 1
         # Usage peaks here: this step's blocks are allocated, finished requests not yet freed.
         self.peak_kv_cache_usage = max(self.peak_kv_cache_usage, kv.usage)
@@ -286,6 +301,15 @@ class Scheduler:
                 self._pinned_req_ids.discard(request.request_id)
                 self.kv_cache_manager.free(request)
 
+    def _can_take_steps(self, request: Request, num_steps: int) -> bool:
+        """Whether a running request can decode num_steps tokens in one step: it decodes one
+        token (no proposals, no prompt left), its last step's position stays within
+        max_model_len, and its sampling reads nothing the host updates between steps (a
+        grammar, penalties)."""
+        return (request.num_tokens - request.num_computed_tokens == 1 and not request.spec_token_ids
+                and request.num_tokens + num_steps - 1 <= self.max_model_len
+                and not needs_logits_processing(request))
+
     def _draft_lookahead(self, num_tokens: int) -> int:
         """Slots a draft model needs past a request's first num_tokens (its scheduled ones):
         num_lookahead_tokens, capped at max_model_len."""
@@ -305,7 +329,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def update_from_output(self, scheduler_output: SchedulerOutput, sampled_token_ids, logprobs=None,
-                           num_accepted=None):
+                           num_accepted=None, num_steps: int = 1):
         """Appends each sampling request's tokens, applies the stop checks and frees the
         finished ones.
 
@@ -318,6 +342,9 @@ class Scheduler:
           logprobs: optional, the sampled tokens' logprobs, shaped as sampled_token_ids.
           num_accepted: i32[>= num_seqs] proposals the target accepted per row, or None (a
             step without proposals).
+          num_steps: decode steps the step ran (at most scheduler_output.num_steps); above 1,
+            sampled_token_ids is i32[>= num_seqs, num_steps] (row i: its request's tokens in
+            order, whose KV the steps wrote but the last one's), taken up to a stop.
         Returns:
           list[EngineCoreOutput], one per request that got tokens this step.
         """
@@ -332,7 +359,12 @@ class Scheduler:
             if not samples or request.status != RequestStatus.RUNNING:
                 continue  # mid-prompt chunk, or aborted between schedule and update
             request.spec_token_ids = []
-            if num_accepted is None:
+            if num_steps > 1:
+                assert num_accepted is None and num_steps <= scheduler_output.num_steps, "steps it has no slots for"
+                request.num_computed_tokens += num_steps - 1  # the steps after the scheduled one
+                row = tokens[i][:num_steps]
+                row_logprobs = logprobs[i][:num_steps] if logprobs is not None else None
+            elif num_accepted is None:
                 row, row_logprobs = [tokens[i]], [logprobs[i]] if logprobs is not None else None
             else:
                 accepted = int(num_accepted[i])
