@@ -2,6 +2,7 @@
 in one program give the tokens of one step at a time (greedy, seeded, logprobs, stops), hold
 their lookahead slots in the pool without leaking them, and are not taken where they cannot be."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -135,3 +136,14 @@ def test_bad_num_scheduler_steps_raise_value_errors():
         EngineConfig(num_scheduler_steps=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="num_scheduler_steps=2 with speculative decoding"):
         SchedulerConfig(4, 16, 64, num_spec_tokens=2, num_scheduler_steps=2)
+
+
+def test_steps_program_updates_the_caches_in_place():
+    llm = _llm(4)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    runner = llm.engine.runner
+    program, used = runner._programs_for((1, 1)).steps
+    cache_bytes = sum(a.nbytes for t in used for a in jax.tree.leaves(runner.kv_caches[t]))
+    memory = program.memory_analysis()
+    # The donated caches come back as the program's outputs: no second cache-sized buffer.
+    assert memory.alias_size_in_bytes >= cache_bytes and memory.temp_size_in_bytes < cache_bytes / 2
