@@ -111,7 +111,8 @@ class EngineConfig:
                                           "start-up); the layer count compiles the whole stack as one program, "
                                           "for the fastest steps")
     num_scheduler_steps: int = knob(1, "decode steps one engine step runs on the device while every running "
-                                    "request decodes and none waits (vLLM V0's multi-step scheduling): the host "
+                                    "request decodes and none waits that max_num_seqs would admit (vLLM V0's "
+                                    "multi-step scheduling): the host "
                                     "work and program calls of a step are paid once per this many tokens; "
                                     "tokens stream this many at a time (1: off)")
     # jax's asynchronous dispatch on the CPU (jax_cpu_enable_async_dispatch): process-wide and

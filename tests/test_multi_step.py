@@ -129,6 +129,24 @@ def test_scheduler_reserves_the_window_hand_trace():
     assert sched.schedule().num_steps == 1
 
 
+def test_a_full_batch_takes_windows_while_others_wait():
+    """With max_num_seqs full a waiting request could not start anyway: the running one takes
+    its window; once a sequence is free the waiting one is admitted (one step)."""
+    kv = KVCacheManager(CacheConfig(4, 32, 64, enable_prefix_caching=True))
+    sched = Scheduler(SchedulerConfig(1, 16, 64, min_token_bucket=4, min_seq_bucket=1, num_scheduler_steps=4), kv)
+    a = Request("A", [0, 1, 2], CoreParams(temperature=0.0, max_tokens=5))
+    b = Request("B", [5, 6], CoreParams(temperature=0.0, max_tokens=3))
+    sched.add_request(a)
+    sched.update_from_output(sched.schedule(), np.asarray([10], np.int32))
+    sched.add_request(b)
+    out = sched.schedule()
+    assert out.req_ids == ["A"] and out.num_steps == 4
+    sched.update_from_output(out, np.asarray([[11, 12, 13, 14]], np.int32), num_steps=4)
+    assert a.is_finished() and a.output_token_ids == [10, 11, 12, 13, 14]
+    out = sched.schedule()
+    assert out.req_ids == ["B"] and out.num_steps == 1 and out.is_new == [True]
+
+
 def test_bad_num_scheduler_steps_raise_value_errors():
     with pytest.raises(ValueError, match="num_scheduler_steps=0"):
         EngineConfig(num_scheduler_steps=0)

@@ -68,7 +68,8 @@ class SchedulerOutput:
       spec_token_ids: per request, the proposals scheduled after its last token (the last
         len(...) of its num_scheduled_tokens); empty for most.
       num_steps: decode steps the step may run (SchedulerConfig.num_scheduler_steps, when
-        every scheduled request decodes one token and none waits; else 1): each request
+        every scheduled request decodes one token and none waits that max_num_seqs would
+        admit; else 1): each request
         holds slots for num_steps - 1 tokens past its own, and update_from_output takes up
         to num_steps tokens a request.
     """
@@ -176,9 +177,11 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
 
         # Several decode steps in one (multi-step scheduling): only when every running request
-        # decodes and nobody waits, so that no arrival waits for a window longer than a step.
+        # decodes and nobody waits who could be admitted now (max_num_seqs is not full), so that
+        # no arrival waits for a window where it could have started.
         num_steps = self.config.num_scheduler_steps
-        if num_steps > 1 and (self.waiting or not self.running
+        admissible = self.waiting and len(self.running) < self.max_num_seqs
+        if num_steps > 1 and (admissible or not self.running
                               or not all(self._can_take_steps(r, num_steps) for r in self.running)):
             num_steps = 1
 
