@@ -112,9 +112,8 @@ class EngineConfig:
                                           "for the fastest steps")
     num_scheduler_steps: int = knob(1, "decode steps one engine step runs on the device while every running "
                                     "request decodes and none waits that max_num_seqs would admit (vLLM V0's "
-                                    "multi-step scheduling): the host "
-                                    "work and program calls of a step are paid once per this many tokens; "
-                                    "tokens stream this many at a time (1: off)")
+                                    "multi-step scheduling): the host work and program calls of a step are paid "
+                                    "once per this many tokens; tokens stream this many at a time (1: off)")
     # jax's asynchronous dispatch on the CPU (jax_cpu_enable_async_dispatch): process-wide and
     # read when jax creates its CPU client, so the engine sets it only while no client exists
     # (set_cpu_dispatch in engine.py); a client already made keeps its mode.

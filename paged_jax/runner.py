@@ -417,17 +417,24 @@ class ModelRunner:
                                   num_draft_tokens=np.zeros(num_seqs, np.int32),
                                   logits_indices=np.zeros((num_seqs, k + 1), np.int32))
 
+    def _abstract(self, tree):
+        """tree's arrays as the shapes, dtypes and shardings a program is compiled for."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self._sharding(a)), tree)
+
+    def _packed_like(self, tree):
+        """The i32 vector pack_step_inputs makes of tree (replicated on a mesh)."""
+        return jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree)),), np.int32,
+                                    sharding=None if self.mesh is None else replicated(self.mesh))
+
     def _compile(self, num_tokens: int, num_seqs: int) -> BucketPrograms:
         """Lowers and compiles the programs of one bucket (from shapes only, so the warm-up
         thread never touches the live, donated caches). Each takes the step's packed inputs
         and unpacks what it reads. On a mesh every argument carries its sharding (weights and
         caches their own, the packed inputs replicated) and the outputs are pinned."""
-        abstract = lambda tree: jax.tree.map(  # noqa: E731
-            lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=self._sharding(a)), tree)
+        abstract = self._abstract
         like = abstract(self.dummy_inputs(num_tokens, num_seqs))
         rep = None if self.mesh is None else replicated(self.mesh)
-        packed = jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(like)),), np.int32,
-                                      sharding=rep)
+        packed = self._packed_like(like)
 
         head_params_of = functools.partial(jax.tree.unflatten, self._head_treedef)
 
@@ -475,8 +482,7 @@ class ModelRunner:
         spec_head = None
         if self.num_spec_tokens:
             spec_like = abstract(self.dummy_spec(num_seqs))
-            spec_packed = jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(spec_like)),),
-                                               np.int32, sharding=rep)
+            spec_packed = self._packed_like(spec_like)
 
             def spec_head_fn(head_leaves, x, packed, spec_packed):
                 return self._spec_head_fn(head_params_of(head_leaves), x, unpack_step_inputs(packed, like),
@@ -485,10 +491,6 @@ class ModelRunner:
             spec_head = self._jit(spec_head_fn, (rep, rep, rep)).lower(head_params, x, packed, spec_packed).compile()
         head_processed = spec_head_processed = None
         if self.logits_processing:
-            def packed_like(tree):
-                return jax.ShapeDtypeStruct((sum(int(np.prod(a.shape)) for a in jax.tree.leaves(tree)),), np.int32,
-                                            sharding=rep)
-
             proc_like = abstract(self.dummy_processing(num_seqs))
 
             def head_processed_fn(head_leaves, x, packed, proc_packed):
@@ -496,7 +498,7 @@ class ModelRunner:
                                      unpack_step_inputs(proc_packed, proc_like))
 
             head_processed = self._jit(head_processed_fn, (rep, rep)).lower(
-                head_params, x, packed, packed_like(proc_like)).compile()
+                head_params, x, packed, self._packed_like(proc_like)).compile()
             if self.num_spec_tokens:
                 spec_proc_like = abstract(self.dummy_processing(num_seqs, self.num_spec_tokens + 1))
 
@@ -506,18 +508,24 @@ class ModelRunner:
                                               unpack_step_inputs(proc_packed, spec_proc_like))
 
                 spec_head_processed = self._jit(spec_head_processed_fn, (rep, rep, rep)).lower(
-                    head_params, x, packed, spec_packed, packed_like(spec_proc_like)).compile()
+                    head_params, x, packed, spec_packed, self._packed_like(spec_proc_like)).compile()
         steps = None
         if self.num_scheduler_steps > 1 and self.mesh is None and (num_tokens, num_seqs) in self._decode_shapes:
-            steps = self._compile_steps(num_tokens, like, packed, head_params_of, abstract)
+            steps = self.compile_steps(num_tokens, num_seqs, self.num_scheduler_steps)
         return BucketPrograms(embed, layers, head, spec_head, head_processed, spec_head_processed, long_layers, steps)
 
-    def _compile_steps(self, num_tokens: int, like: StepInputs, packed, head_params_of, abstract):
-        """num_scheduler_steps decode steps as one program (execute_steps): each step embeds
-        the tokens the one before sampled, runs the layers at positions + i with step i's slot
-        mapping and its sequences one key longer, and samples with each sequence's output
-        number + i (so a seeded draw is the one the steps would make one at a time)."""
-        k = self.num_scheduler_steps
+    def compile_steps(self, num_tokens: int, num_seqs: int, k: int) -> tuple:
+        """k decode steps of bucket (num_tokens, num_seqs) as one program (execute_steps; one
+        device, the bucket's short-query layers): each step embeds the tokens the one before
+        sampled, runs the layers at positions + i with step i's slot mapping and its sequences
+        one key longer, and samples with each sequence's output number + i (so a seeded draw
+        is the one the steps would make one at a time). Returns (program, the pool caches it
+        takes, donated, and returns): the program is called as (head leaves, each run's layer
+        leaves, those caches, packed step inputs, each run's layer inputs, slot mappings
+        i32[k, groups, T]) and returns (token ids i32[S, k], logprobs f32[S, k], the caches)."""
+        abstract = self._abstract
+        like = abstract(self.dummy_inputs(num_tokens, num_seqs))
+        head_params_of = functools.partial(jax.tree.unflatten, self._head_treedef)
         groups = self.layer_groups(num_tokens)
         native = self.native_step(num_tokens)
         used = sorted({t for tensors in groups.tensors for t in tensors})  # the caches the layers write
@@ -553,7 +561,8 @@ class ModelRunner:
         slots = jax.ShapeDtypeStruct((k, self.cache_config.num_kv_cache_groups, num_tokens), np.int32)
         program = self._jit(steps_fn, None, donate_argnums=(2,)).lower(
             abstract(self._head_leaves), [abstract(leaves) for leaves in groups.leaves],
-            [self.pool.abstract_caches[t] for t in used], packed, [abstract(li) for li in groups.layer_inputs],
+            [self.pool.abstract_caches[t] for t in used], self._packed_like(like),
+            [abstract(li) for li in groups.layer_inputs],
             slots).compile()
         return program, used
 

@@ -479,9 +479,9 @@ def step_levers(engine, prompt: list[int], rounds: int, calls: int) -> dict:
 
     - programs: the step's compiled programs back to back as runner.execute calls them
       (embed, each layer program, head), results to numpy;
-    - one program: the same computation compiled as one program (embed, layers and head
-      traced together from the runner's own functions; the caches donated), the "fewer
-      compiled programs per step" lever;
+    - one program: the same computation compiled as one program (the runner's steps program
+      of one step, ModelRunner.compile_steps; the caches donated), the "fewer compiled
+      programs per step" lever;
     - build: the step's input building alone (StepInputsBuilder.build + pack_step_inputs, the
       largest piece of a step's host work);
     - build, then programs: as engine.step runs them;
@@ -491,10 +491,8 @@ def step_levers(engine, prompt: list[int], rounds: int, calls: int) -> dict:
     The engine's request is then finished normally."""
     import threading
 
-    import jax
-
     from paged_jax.core.request import SamplingParams
-    from paged_jax.runner import pack_step_inputs, unpack_step_inputs
+    from paged_jax.runner import pack_step_inputs
 
     e, r = engine, engine.runner
     assert e.reset_prefix_cache(), "requests still hold blocks"
@@ -513,7 +511,6 @@ def step_levers(engine, prompt: list[int], rounds: int, calls: int) -> dict:
     assert r.compiler.choose_shape(*shape) == shape, "the step's own bucket is not compiled"
     embed, layers, head, *_ = r._programs_for(shape)
     groups = r.layer_groups(shape[0])
-    native = r.native_step(shape[0])
     packed = r._put(pack_step_inputs(inputs))
     layers_started = threading.Event()
 
@@ -528,29 +525,16 @@ def step_levers(engine, prompt: list[int], rounds: int, calls: int) -> dict:
                 caches[t] = cache
         return tuple(np.asarray(a) for a in head(r._head_leaves, x, packed))
 
-    like = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), inputs)
-
-    def step_fn(head_leaves, run_leaves, caches, packed, run_inputs):
-        step_inputs = unpack_step_inputs(packed, like)
-        head_params = jax.tree.unflatten(r._head_treedef, head_leaves)
-        x = r._embed_fn(head_params, step_inputs.model.token_ids)
-        caches = list(caches)
-        for run, tensors in enumerate(groups.tensors):
-            kind = groups.kind_of[run]
-            x, new = r._layer_fn(jax.tree.unflatten(groups.treedefs[kind], run_leaves[run]), x,
-                                 [caches[t] for t in tensors], step_inputs.model.positions, step_inputs.attention,
-                                 groups.kinds[kind], run_inputs[run], native)
-            for t, cache in zip(tensors, new):
-                caches[t] = cache
-        return r._head_fn(head_params, x, step_inputs), caches
-
-    one = jax.jit(step_fn, donate_argnums=(2,)).lower(
-        r._head_leaves, groups.leaves, r.pool.kv_caches, packed, groups.layer_inputs).compile()
+    one, used = r.compile_steps(*shape, 1)  # embed, layers and head of one step: the steps program, k = 1
+    slots = e.input_builder.step_slot_mappings(inputs, 1)
 
     def one_program():
-        outputs, caches = one(r._head_leaves, groups.leaves, r.pool.kv_caches, packed, groups.layer_inputs)
-        r.pool.kv_caches[:] = caches
-        return tuple(np.asarray(a) for a in outputs)
+        caches = r.pool.kv_caches
+        token_ids, logprobs, new = one(r._head_leaves, groups.leaves, [caches[t] for t in used], packed,
+                                       groups.layer_inputs, slots)
+        for t, cache in zip(used, new):
+            caches[t] = cache
+        return np.asarray(token_ids)[:, 0], np.asarray(logprobs)[:, 0]
 
     def build():
         return pack_step_inputs(e.input_builder.build(out))
@@ -654,11 +638,15 @@ def bandwidths(lim: dict) -> dict:
             "best reduction": reduction * 1e9}
 
 
+def step_bytes(need: dict) -> int:
+    """What a decode step reads: the weights as the engine holds them and the live KV."""
+    return need["weights_held"]["total"] + need["kv_live_bytes"]
+
+
 def thunk_read(result: dict) -> tuple[float, float]:
     """(bytes/s, fraction of the best read) at which the profiled thunks alone would read a
-    step's bytes (weights held + live KV): the kernels' rate without the step's overheads."""
-    need = result["requirements"]
-    rate = (need["weights_held"]["total"] + need["kv_live_bytes"]) / (result["profile"]["thunk_ms_per_step"] / 1e3)
+    step's bytes (step_bytes): the kernels' rate without the step's overheads."""
+    rate = step_bytes(result["requirements"]) / (result["profile"]["thunk_ms_per_step"] / 1e3)
     return rate, rate / bandwidths(result["limits"])["best measured read"]
 
 
@@ -686,14 +674,13 @@ def paired_runs(result: dict) -> list[dict]:
     """Each decode run beside the reads measured just before and after it (ReadProbe: each
     read's better rate of the two), the step's bytes (weights held + live KV) over its median
     step time as a fraction of them: "best read" and "reduction" as in bandwidths."""
-    need, dec = result["requirements"], result["decode"]
-    step_bytes = need["weights_held"]["total"] + need["kv_live_bytes"]
+    read = step_bytes(result["requirements"])
     out = []
-    for run in dec["runs"]:
+    for run in result["decode"]["runs"]:
         before, after = run["reads_before"], run["reads_after"]
         reads = {k: max(before[k], after[k]) for k in before if k.endswith("_gb_per_s")}
         bw = bandwidths(reads)
-        rate = step_bytes / run["median_step_s"]
+        rate = read / run["median_step_s"]
         out.append({"tok_per_s": 1 / run["median_step_s"], "read_bytes_per_s": rate,
                     "best_read": bw["best measured read"], "of_best_read": rate / bw["best measured read"],
                     "reduction": bw["best reduction"], "of_reduction": rate / bw["best reduction"]})
@@ -730,8 +717,8 @@ def breakdown_rows(result: dict) -> list[list]:
             row += ["", "", "", ""]
         rows.append(row)
     plain = result["decode"]["median_step_s"]
-    rows.append(["sum of the parts (synchronised)", f"{1e3 * total:.2f}", "100%", _mb(need["weights_held"]["total"] + need["kv_live_bytes"]),
-                 f"{(need['weights_held']['total'] + need['kv_live_bytes']) / total / 1e9:.1f}", "", ""])
+    rows.append(["sum of the parts (synchronised)", f"{1e3 * total:.2f}", "100%", _mb(step_bytes(need)),
+                 f"{step_bytes(need) / total / 1e9:.1f}", "", ""])
     rows.append(["plain engine.step() (the decode runs' median)", f"{1e3 * plain:.2f}", "", "", "", "", ""])
     return rows
 

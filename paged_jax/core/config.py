@@ -182,9 +182,9 @@ class SchedulerConfig:
         the step (its k; 0 without a draft model). Capped at max_model_len, never cached.
       num_scheduler_steps: decode steps one engine step may run on the device (vLLM V0's
         multi-step scheduling): when every running request is decoding and none waits that
-        max_num_seqs would admit, the
-        scheduler reserves num_scheduler_steps - 1 slots past each one's token and the runner
-        feeds each step's sampled token to the next within one program (1: off).
+        max_num_seqs would admit, the scheduler reserves num_scheduler_steps - 1 slots past
+        each one's token and the runner feeds each step's sampled token to the next within
+        one program (1: off).
     """
 
     max_num_seqs: int

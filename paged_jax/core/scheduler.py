@@ -69,9 +69,8 @@ class SchedulerOutput:
         len(...) of its num_scheduled_tokens); empty for most.
       num_steps: decode steps the step may run (SchedulerConfig.num_scheduler_steps, when
         every scheduled request decodes one token and none waits that max_num_seqs would
-        admit; else 1): each request
-        holds slots for num_steps - 1 tokens past its own, and update_from_output takes up
-        to num_steps tokens a request.
+        admit; else 1): each request holds slots for num_steps - 1 tokens past its own, and
+        update_from_output takes up to num_steps tokens a request.
     """
 
     requests: list[Request] = field(default_factory=list)
@@ -176,13 +175,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         threshold = self.long_prefill_token_threshold
 
-        # Several decode steps in one (multi-step scheduling): only when every running request
-        # decodes and nobody waits who could be admitted now (max_num_seqs is not full), so that
-        # no arrival waits for a window where it could have started.
         num_steps = self.config.num_scheduler_steps
-        admissible = self.waiting and len(self.running) < self.max_num_seqs
-        if num_steps > 1 and (admissible or not self.running
-                              or not all(self._can_take_steps(r, num_steps) for r in self.running)):
+        if num_steps > 1 and not self._window_opens(num_steps):
             num_steps = 1
 
         # running requests first
@@ -304,14 +298,18 @@ class Scheduler:
                 self._pinned_req_ids.discard(request.request_id)
                 self.kv_cache_manager.free(request)
 
-    def _can_take_steps(self, request: Request, num_steps: int) -> bool:
-        """Whether a running request can decode num_steps tokens in one step: it decodes one
-        token (no proposals, no prompt left), its last step's position stays within
+    def _window_opens(self, num_steps: int) -> bool:
+        """Whether this step may run num_steps decode steps (multi-step scheduling): nobody
+        waits who could be admitted now (max_num_seqs is not full), so no arrival waits for a
+        window where it could have started, and every running request can take the window: it
+        decodes one token (no proposals, no prompt left), its last step's position stays within
         max_model_len, and its sampling reads nothing the host updates between steps (a
         grammar, penalties)."""
-        return (request.num_tokens - request.num_computed_tokens == 1 and not request.spec_token_ids
-                and request.num_tokens + num_steps - 1 <= self.max_model_len
-                and not needs_logits_processing(request))
+        if not self.running or (self.waiting and len(self.running) < self.max_num_seqs):
+            return False
+        return all(r.num_tokens - r.num_computed_tokens == 1 and not r.spec_token_ids
+                   and r.num_tokens + num_steps - 1 <= self.max_model_len and not needs_logits_processing(r)
+                   for r in self.running)
 
     def _draft_lookahead(self, num_tokens: int) -> int:
         """Slots a draft model needs past a request's first num_tokens (its scheduled ones):
